@@ -1,0 +1,3 @@
+from ds4pool.cli import main
+
+raise SystemExit(main())
