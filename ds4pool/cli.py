@@ -1,0 +1,71 @@
+"""Command line: `ds4pool generate ...` (more subcommands arrive with the server).
+
+User errors print one line on stderr and exit with status 1 (2 for bad usage);
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ds4pool import __version__
+from ds4pool.errors import Ds4poolError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (default), 'random:100m', 'random:llama3-8b', or a local HF model dir",
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda[:N], mps")
+    p.add_argument(
+        "--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bf16 on CUDA)"
+    )
+    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4pool", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ds4pool {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ds4pool.model.generate_cli import run_generate
+
+    return run_generate(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except Ds4poolError as exc:
+        print(f"ds4pool: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ds4pool: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""Model configuration: a frozen dataclass built once from a Hugging Face config.json.
+
+The model code never sees Hugging Face config objects; everything it needs is here,
+validated at construction so a bad checkpoint fails at load time with one clear line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds4pool.errors import ModelLoadError
+
+# Architectures and the per-family switches they imply. A plain dict: adding a
+# Llama-family variant is one line here plus its parameter-name quirks in llama.py.
+ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v/o biases (Llama's attention_bias)
+    qkv_bias: bool = False  # q/k/v biases only (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"  # the checkpoint's own dtype
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"config value {name}={getattr(self, name)} must be > 0")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.kv_size * element_size
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed config.json; raises ModelLoadError with one line on bad input."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in ARCHITECTURES:
+            supported = ", ".join(ARCHITECTURES)
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r}; supported: {supported}"
+            ) from None
+        family = ARCHITECTURES[arch]
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = cfg.get("head_dim") or hidden // heads
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            sliding = cfg.get("sliding_window")
+            if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+                sliding = None
+            if arch in ("Qwen3ForCausalLM",) and not cfg.get("use_sliding_window", False):
+                sliding = None
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                max_position=int(cfg.get("max_position_embeddings", 4096)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=_rope_from_hf(cfg),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                qkv_bias=family["qkv_bias"],
+                qk_norm=family["qk_norm"],
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                sliding_window=int(sliding) if sliding else None,
+                torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"config.json: missing or invalid field {exc}") from None
+
+
+def _dtype_name(value: object) -> str:
+    name = str(value or "float32").removeprefix("torch.")
+    return name if name in DTYPES else "float32"
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints
+    # have `rope_theta` and an optional `rope_scaling` dict.
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind != "llama3":
+        raise ModelLoadError(f"unsupported rope type {kind!r}; supported: default, llama3")
+    return RopeConfig(
+        theta=theta,
+        kind="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,58 @@
+"""Device and dtype selection: auto picks cuda > mps > cpu; unsupported combos fail clearly."""
+
+from __future__ import annotations
+
+import torch
+
+from ds4pool.errors import DeviceError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def select_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"unknown device {name!r}; use auto, cpu, cuda[:N] or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError("device 'cuda' requested but no CUDA GPU is available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError("device 'mps' requested but MPS is not available here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"unsupported device type {device.type!r}; use cpu, cuda or mps")
+    return device
+
+
+def select_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA (float16 before Ampere), float16 on MPS, float32 on CPU."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device.type == "mps" else torch.float32
+    if name not in DTYPES:
+        raise DeviceError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise DeviceError(f"bfloat16 is not supported on {torch.cuda.get_device_name(device)}")
+    try:  # a tiny matmul is the honest test of "this device can compute in this dtype"
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        (a @ a).sum().cpu()
+    except (RuntimeError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DeviceError(f"dtype {name} is not supported on {device}: {first}") from None
+    return dtype

@@ -1,0 +1,114 @@
+"""The decoder-only Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Parameter names are Hugging Face's, so loading a checkpoint is a plain name → tensor
+mapping. Shapes: T = tokens in the step (all sequences flattened), H = query heads,
+H_kv = key/value heads, D = head_dim, E = hidden size, V = vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds4pool.model.attention import AttentionMetadata, TorchPagedAttention
+from ds4pool.model.config import ModelConfig
+from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        e = cfg.hidden_size
+        self.q_proj = nn.Linear(e, cfg.q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(e, cfg.kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(e, cfg.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, e, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, E]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One forward per step over a ragged batch; returns hidden states [T, E].
+
+    Logits are computed separately (`compute_logits`) and only for the rows that need
+    them, usually the last token of each sequence: the LM head is the largest matmul.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend or TorchPagedAttention())
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, N_blocks, block_size, H_kv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(meta.positions, x.dtype)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(x, rope, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
+        return self.lm_head(hidden)

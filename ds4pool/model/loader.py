@@ -1,0 +1,183 @@
+"""Load a local Hugging Face model directory (or a named random preset) onto a device.
+
+A directory needs config.json, *.safetensors (one file, or shards listed in
+model.safetensors.index.json) and tokenizer.json; tokenizer_config.json,
+generation_config.json and chat_template.jinja are read when present.
+Every failure a user can cause is a ModelLoadError naming the file at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ds4pool.errors import ModelLoadError
+from ds4pool.model.config import ModelConfig
+from ds4pool.model.layers import RotaryEmbedding, rope_inv_freq
+from ds4pool.model.llama import LlamaForCausalLM
+from ds4pool.model.tokenizer import Tokenizer
+from ds4pool.progress import Progress
+
+# Checkpoint tensors the model does not need (precomputed RoPE tables in old exports).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str  # what the user passed to --model
+    path: Path | None  # the HF directory, None for random presets built in memory
+    device: torch.device
+    dtype: torch.dtype
+    weights_id: str  # identifies the weights: part of the KV snapshot fingerprint
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing file: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot parse {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"cannot parse {path}: expected a JSON object")
+    return data
+
+
+def load_config(directory: Path) -> ModelConfig:
+    if not directory.is_dir():
+        raise ModelLoadError(f"model directory not found: {directory}")
+    return ModelConfig.from_hf(read_json(directory / "config.json"))
+
+
+def weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"cannot parse {index}: no weight_map")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"no *.safetensors weights found in {directory}")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"missing file: {f} (listed in {index.name})")
+    return files
+
+
+def weights_identity(files: list[Path]) -> str:
+    """Hash of each file's name, size and safetensors header (names, dtypes, shapes,
+    offsets) plus its first and last MiB of data: cheap even for 100 GB checkpoints,
+    and any re-export or fine-tune changes it."""
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"corrupt safetensors file (truncated header): {f}")
+            (header_len,) = struct.unpack("<Q", head)
+            h.update(fh.read(min(header_len, 100 << 20)))
+            h.update(fh.read(1 << 20))
+            fh.seek(max(size - (1 << 20), 0))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Allocate the model on `device` in `dtype` without initialising (no fp32 detour)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    reset_buffers(model, device)
+    return model.eval().requires_grad_(False)
+
+
+def reset_buffers(model: LlamaForCausalLM, device: torch.device) -> None:
+    # Non-persistent buffers are not in checkpoints; recompute them in float32 on device.
+    cfg = model.config
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path], show_progress: bool) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    total = sum(f.stat().st_size for f in files)
+    with Progress("loading weights", total, enabled=show_progress) as bar:
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as st:
+                    for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        if name.endswith(IGNORED_SUFFIXES):
+                            continue
+                        if name not in params:
+                            raise ModelLoadError(f"unexpected tensor {name!r} in {f}")
+                        tensor = st.get_tensor(name)
+                        target = params[name]
+                        if tuple(tensor.shape) != tuple(target.shape):
+                            raise ModelLoadError(
+                                f"tensor {name!r} in {f} has shape {tuple(tensor.shape)}, "
+                                f"config implies {tuple(target.shape)}"
+                            )
+                        target.data.copy_(tensor)
+                        loaded.add(name)
+                        bar.advance(tensor.numel() * tensor.element_size())
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ModelLoadError(f"corrupt safetensors file {f}: {first}") from None
+    missing = set(params) - loaded
+    if model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        shown = ", ".join(sorted(missing)[:3])
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {shown}")
+
+
+def load_model(
+    spec: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    show_progress: bool = False,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `spec`: 'demo', 'random:<preset>', or a path to a Hugging Face directory."""
+    from ds4pool.model import demo  # demo imports this module
+
+    if spec == "demo":
+        directory = demo.ensure_demo_model(cache_dir)
+    elif spec.startswith("random:"):
+        return demo.load_random_preset(spec, device, dtype, cache_dir=cache_dir)
+    else:
+        directory = Path(spec).expanduser()
+    cfg = load_config(directory)
+    files = weight_files(directory)
+    tokenizer = Tokenizer.from_dir(directory)
+    model = build_empty(cfg, device, dtype)
+    load_weights(model, files, show_progress)
+    return LoadedModel(
+        model=model,
+        config=cfg,
+        tokenizer=tokenizer,
+        name=spec,
+        path=directory,
+        device=device,
+        dtype=dtype,
+        weights_id=weights_identity(files),
+    )

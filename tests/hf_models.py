@@ -1,0 +1,66 @@
+"""Tiny random Hugging Face checkpoints for fidelity tests, written with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+}
+
+# name → (config class name, extra config fields)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama3-tied": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "head_dim": 32,  # explicit, != hidden / heads
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}),
+}
+
+
+def build_hf_model(
+    name: str, directory: Path, dtype: torch.dtype = torch.float32, shard: bool = False
+) -> Any:
+    """Write a tiny random checkpoint to `directory`; return the transformers model."""
+    import transformers
+
+    cls_name, extra = CASES[name]
+    config = getattr(transformers, cls_name)(**TINY, **extra)
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        # transformers initialises biases to 0 and norms to 1: perturb every tensor so
+        # those code paths (Qwen2 qkv bias, q/k norms) are actually exercised.
+        for pname, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * (0.05 if "norm" in pname else 0.08)
+            base = 1.0 if "norm" in pname else 0.0
+            p.copy_((base + noise).to(dtype))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(directory, max_shard_size="40KB" if shard else "5GB")
+    return model

@@ -1,0 +1,108 @@
+"""Our paged-KV model against transformers on tiny random checkpoints (fp32, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4pool.kv.blocks import BlockPool
+from ds4pool.model.attention import build_metadata
+from ds4pool.model.generate import generate
+from ds4pool.model.loader import (
+    LoadedModel,
+    build_empty,
+    load_config,
+    load_weights,
+    weight_files,
+)
+from ds4pool.model.runner import ModelRunner, SeqInput
+from tests.hf_models import CASES, build_hf_model
+
+BLOCK = 16
+PROMPT_LEN = 70  # >= 64 and not a multiple of the block size
+
+
+def load_ours(directory: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    cfg = load_config(directory)
+    model = build_empty(cfg, device, dtype)
+    load_weights(model, weight_files(directory), show_progress=False)
+    return LoadedModel(model, cfg, None, "test", directory, device, dtype, "test")  # type: ignore[arg-type]
+
+
+def prompt_ids(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def all_logits(runner: ModelRunner, table: list[int], ids: list[int], start: int) -> torch.Tensor:
+    """Logits for every token of one chunk (the runner only returns the last)."""
+    meta = build_metadata([len(ids)], [start + len(ids)], [table], runner.block_size, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids, device=runner.device), runner.kv_caches, meta)
+        return runner.model.compute_logits(hidden).float()
+
+
+def check_against_hf(
+    name: str,
+    directory: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tol: float,
+    shard: bool = False,
+) -> None:
+    hf = build_hf_model(name, directory, dtype=dtype, shard=shard).to(device)
+    ours = load_ours(directory, dtype, device)
+    vocab = ours.config.vocab_size
+    ids = prompt_ids(vocab)
+    runner = ModelRunner(ours, num_blocks=16, block_size=BLOCK)
+    pool = BlockPool(16)
+    table = pool.allocate(-(-(PROMPT_LEN + 16) // BLOCK))
+
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device=device)).logits[0].float()  # [P, V]
+    got = all_logits(runner, table, ids, 0)
+    assert (got - ref).abs().max().item() < tol, "prefill logits differ"
+
+    # 16 decode steps through the paged cache, each checked against a full HF forward.
+    seq = list(ids)
+    for _ in range(16):
+        seq.append(int(ref[-1].argmax()))
+        step = runner.step([SeqInput([seq[-1]], len(seq) - 1, table)], return_logits=True)
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq], device=device)).logits[0].float()
+        assert step.logits is not None
+        assert (step.logits[0] - ref[-1]).abs().max().item() < tol, f"decode at {len(seq)}"
+    pool.free(table)
+
+    # Greedy generation for 32 steps equals transformers' greedy generate.
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor([ids], device=device), max_new_tokens=32, do_sample=False
+        )[0, len(ids) :].tolist()
+    [result] = generate(runner, pool, [ids], max_tokens=32, chunk_size=29)
+    assert result.token_ids == expected
+    pool.check_integrity()
+    assert pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_transformers_fp32(name: str, tmp_path: Path) -> None:
+    check_against_hf(
+        name, tmp_path, torch.float32, torch.device("cpu"), tol=1e-4, shard=name == "llama"
+    )
+
+
+def test_sharded_checkpoint_really_is_sharded(tmp_path: Path) -> None:
+    build_hf_model("llama", tmp_path, shard=True)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(weight_files(tmp_path)) > 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_transformers_bf16_cuda(name: str, tmp_path: Path) -> None:
+    # bf16 keeps 8 bits of mantissa: logits of O(1) differ by up to a few 1e-2 between
+    # two correct implementations that round in a different order.
+    check_against_hf(name, tmp_path, torch.bfloat16, torch.device("cuda"), tol=5e-2)
