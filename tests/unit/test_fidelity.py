@@ -63,7 +63,9 @@ def check_against_hf(
     with torch.no_grad():
         ref = hf(torch.tensor([ids], device=device)).logits[0].float()  # [P, V]
     got = all_logits(runner, table, ids, 0)
-    assert (got - ref).abs().max().item() < tol, "prefill logits differ"
+    worst_prefill = (got - ref).abs().max().item()
+    assert worst_prefill < tol, f"prefill logits differ by {worst_prefill}"
+    worst_decode = 0.0
 
     # 16 decode steps through the paged cache, each checked against a full HF forward.
     seq = list(ids)
@@ -73,9 +75,14 @@ def check_against_hf(
         with torch.no_grad():
             ref = hf(torch.tensor([seq], device=device)).logits[0].float()
         assert step.logits is not None
-        assert (step.logits[0] - ref[-1]).abs().max().item() < tol, f"decode at {len(seq)}"
+        err = (step.logits[0] - ref[-1]).abs().max().item()
+        assert err < tol, f"decode at {len(seq)} differs by {err}"
+        worst_decode = max(worst_decode, err)
     pool.free(table)
+    print(f"[{name} {dtype}] max |logit diff| prefill {worst_prefill:.2e} decode {worst_decode:.2e}")
 
+    if dtype != torch.float32:
+        return  # bf16 rounding differs between implementations: greedy paths may fork
     # Greedy generation for 32 steps equals transformers' greedy generate.
     with torch.no_grad():
         expected = hf.generate(

@@ -1,0 +1,407 @@
+"""Disk tier: one snapshot file per session, an in-memory index, an LRU byte budget.
+
+Invariants:
+- The index holds exactly the snapshots whose header validated and whose fingerprint is this
+  model's; `used_bytes` is the sum of their file sizes and never exceeds `budget_bytes` after
+  a call returns (a temp file being written is not counted).
+- A file in the directory is either absent, a complete older snapshot, or a complete newer
+  one: writes go to a temp file that is fsynced and then renamed over the old one.
+- Anything that fails validation is moved to `quarantine/` with a `.reason` file, reported
+  through `on_error(kind)`, and never loaded.
+- LRU order is the time of the last successful write() or read() of a key. On disk it is the
+  file mtime (read() bumps it), so the order survives a restart.
+
+Thread-safety: one lock guards the index and every rename/unlink in the directory; encoding,
+writing and fsyncing a temp file and decoding a snapshot happen outside it. One DiskTier per
+directory (enforced with an flock on `.lock`, across processes too).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ds4pool.kv.snapshot import (
+    DEFAULT_SHUFFLE,
+    ModelFingerprint,
+    Snapshot,
+    SnapshotError,
+    SnapshotHeader,
+    check_fingerprint,
+    decode_snapshot,
+    read_header,
+    write_snapshot,
+)
+
+log = logging.getLogger(__name__)
+
+SessionKey = tuple[str, str]  # (tenant, session_id)
+SNAP_SUFFIX = ".snap"
+TMP_SUFFIX = ".tmp"  # temp files are ".<random>.tmp": never a valid snapshot name
+QUARANTINE_DIR = "quarantine"
+# Every kind on_error() may receive: SnapshotError kinds (the file was quarantined), plus
+# "write" (a write failed, the old snapshot is intact), "too_large" (a snapshot alone exceeds
+# the budget and was dropped), "io" (a read hit an OSError; the file is kept, if it exists).
+ERROR_KINDS = (*SnapshotError.KINDS, "write", "too_large", "io")
+
+
+class DiskWriteError(OSError):
+    """Writing a snapshot failed (ENOSPC, EIO, ...); the previous snapshot of the key is intact."""
+
+
+class SnapshotTooLargeError(ValueError):
+    """One snapshot alone exceeds the disk budget. It was not kept, nor was the key's older one."""
+
+
+class DirectoryLockedError(RuntimeError):
+    """Another DiskTier (in this or another process) already owns the directory."""
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    tenant: str
+    session_id: str
+    path: Path
+    num_bytes: int  # file size
+    num_tokens: int
+    num_kv_tokens: int  # tokens with KV in the file (<= num_tokens)
+    last_used: float  # unix time of the last write() or read()
+
+
+def session_file_name(tenant: str, session_id: str) -> str:
+    """sha256 over both parts, each length-prefixed, so ("a","bc") and ("ab","c") differ and no
+    id can inject a path. surrogatepass: any Python str hashes, even a lone surrogate."""
+    h = hashlib.sha256(b"ds4pool-session-v1\x00")
+    for part in (tenant, session_id):
+        data = part.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest() + SNAP_SUFFIX
+
+
+class DiskTier:
+    """The cold tier of the session pool (see the module docstring for the invariants).
+    write() runs on the pool's writer thread, read() on its worker thread.
+
+    on_error(kind) is called for every failure (kinds: ERROR_KINDS). on_evict(entry) is called
+    for every snapshot that write() deleted to stay within the budget, after the fact and
+    outside the tier's lock (so it may call back into the pool); not for delete(), quarantine
+    or the evictions done at start-up (entries() never lists those)."""
+
+    def __init__(self, directory: Path | str, budget_bytes: int, fingerprint: ModelFingerprint, *,
+                 shuffle: bool = DEFAULT_SHUFFLE,
+                 on_error: Callable[[str], None] | None = None,
+                 on_evict: Callable[[DiskEntry], None] | None = None) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.directory = Path(directory).resolve()
+        self.quarantine_dir = self.directory / QUARANTINE_DIR
+        self.fingerprint = fingerprint
+        self.shuffle = shuffle
+        self._budget_bytes = budget_bytes
+        self._on_error = on_error
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._index: OrderedDict[SessionKey, DiskEntry] = OrderedDict()  # LRU first
+        self._used_bytes = 0
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_fd = self._lock_directory()
+        self._rebuild_index()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_bytes
+
+    def path_for(self, tenant: str, session_id: str) -> Path:
+        path = self.directory / session_file_name(tenant, session_id)
+        assert path.parent == self.directory, path
+        return path
+
+    def contains(self, tenant: str, session_id: str) -> bool:
+        with self._lock:
+            return (tenant, session_id) in self._index
+
+    def keys(self) -> list[SessionKey]:
+        """All keys, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def entries(self) -> list[DiskEntry]:
+        """All entries, least recently used first (what the pool rebuilds its sessions from)."""
+        with self._lock:
+            return list(self._index.values())
+
+    def info(self, tenant: str, session_id: str) -> DiskEntry | None:
+        with self._lock:
+            return self._index.get((tenant, session_id))
+
+    def write(self, snapshot: Snapshot) -> int:
+        """Persist atomically, then evict LRU snapshots (never this one) down to the budget.
+        Returns the file size. Raises DiskWriteError (old snapshot intact) or
+        SnapshotTooLargeError (key now absent), after calling on_error. The KV tensors must
+        not change until this returns, and writes of one key must not race each other
+        (the pool's single writer thread orders them): the last rename wins."""
+        h = snapshot.header
+        if h.fingerprint != self.fingerprint:
+            raise ValueError(f"snapshot fingerprint {h.fingerprint} is not this tier's")
+        key, path, now = snapshot.key, self.path_for(*snapshot.key), time.time()
+        tmp, written = self._write_temp(snapshot, now)
+        if written.file_bytes > self._budget_bytes:
+            _unlink_quietly(tmp)
+            self.delete(*key)
+            self._report("too_large")
+            raise SnapshotTooLargeError(f"snapshot of {written.file_bytes} bytes exceeds the "
+                                        f"disk budget of {self._budget_bytes}")
+        try:
+            with self._lock:
+                os.replace(tmp, path)  # the only call here that can raise (_drop never does)
+                self._put(DiskEntry(*key, path, written.file_bytes, h.num_tokens,
+                                    h.num_kv_tokens, now))
+                evicted = self._evict_to_budget(keep=key)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            self._report("write")
+            raise DiskWriteError(e.errno, f"renaming snapshot into place: {e}") from e
+        self._fsync_directory()  # makes the rename durable; a crash before it keeps the old file
+        for entry in evicted:
+            log.info("disk tier: evicted %s (%d bytes, LRU)", entry.path.name, entry.num_bytes)
+            self._call(self._on_evict, entry)
+        return written.file_bytes
+
+    def read(self, tenant: str, session_id: str) -> Snapshot | None:
+        """The validated snapshot, or None if absent or invalid (then quarantined, reported)."""
+        key = (tenant, session_id)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            try:
+                f = open(entry.path, "rb")  # opened under the lock (vs rename), read outside it
+            except OSError as e:
+                log.error("disk tier: cannot open %s: %s", entry.path.name, e)
+                if isinstance(e, FileNotFoundError):
+                    self._drop(key)
+                f = None
+        if f is None:
+            self._report("io")
+            return None
+        with f:
+            try:
+                snap = decode_snapshot(f, self.fingerprint)
+                if snap.key != key:
+                    raise SnapshotError("format", f"file holds {snap.key}, expected {key}")
+            except SnapshotError as e:
+                self._quarantine_if_current(key, os.fstat(f.fileno()), e)
+                self._report(e.kind)
+                return None
+            except OSError as e:
+                log.error("disk tier: reading %s: %s", entry.path.name, e)
+                self._report("io")
+                return None
+        self._touch(key)
+        return snap
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        with self._lock:
+            return self._drop((tenant, session_id)) is not None
+
+    def close(self) -> None:
+        """Release the directory lock. The files stay; a new DiskTier will index them."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing the fd drops the flock
+            self._lock_fd = -1
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ writing
+
+    def _write_temp(self, snapshot: Snapshot, now: float) -> tuple[Path, SnapshotHeader]:
+        """Encode into a fsynced temp file in the same directory (so the rename is atomic),
+        its mtime set to `now`: the kernel's own timestamps are too coarse to order writes."""
+        tmp: Path | None = None
+        try:
+            fd, name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=TMP_SUFFIX)
+            tmp = Path(name)
+            with os.fdopen(fd, "wb") as f:
+                written = write_snapshot(f, snapshot, shuffle=self.shuffle)
+                f.flush()
+                os.utime(f.fileno(), (now, now))
+                os.fsync(f.fileno())  # data on disk before the rename makes it visible
+            return tmp, written
+        except OSError as e:
+            _unlink_quietly(tmp)
+            log.error("disk tier: writing %s: %s", snapshot.key, e)
+            self._report("write")
+            raise DiskWriteError(e.errno or errno.EIO, f"writing snapshot: {e}") from e
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+
+    def _fsync_directory(self) -> None:
+        try:
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:  # the file is in place and readable; only durability is at risk
+            log.error("disk tier: fsync of directory %s failed: %s", self.directory, e)
+
+    # ------------------------------------------------------------------ index (lock held)
+
+    def _put(self, entry: DiskEntry) -> None:
+        key = (entry.tenant, entry.session_id)
+        old = self._index.pop(key, None)
+        self._used_bytes += entry.num_bytes - (old.num_bytes if old else 0)
+        self._index[key] = entry  # most recently used: the end
+
+    def _drop(self, key: SessionKey) -> DiskEntry | None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used_bytes -= entry.num_bytes
+            _unlink_quietly(entry.path)
+        return entry
+
+    def _evict_to_budget(self, keep: SessionKey | None) -> list[DiskEntry]:
+        evicted = []
+        victims = (k for k in list(self._index) if k != keep)
+        while self._used_bytes > self._budget_bytes:
+            entry = self._drop(next(victims))  # `keep` alone fits: victims never run out
+            assert entry is not None
+            evicted.append(entry)
+        return evicted
+
+    def _touch(self, key: SessionKey) -> None:
+        now = time.time()
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return  # deleted or evicted meanwhile
+            self._put(replace(entry, last_used=now))
+        try:
+            os.utime(entry.path, (now, now))  # persist the LRU position for the next start
+        except OSError:
+            pass  # only the order after a restart suffers
+
+    def _quarantine_if_current(self, key: SessionKey, opened: os.stat_result,
+                               error: SnapshotError) -> None:
+        with self._lock:
+            entry = self._index.get(key)
+            try:
+                st = os.stat(entry.path) if entry else None
+            except OSError:
+                st = None
+            # A concurrent write() may have replaced the bad file: never quarantine its successor.
+            if entry and st and (st.st_ino, st.st_dev) == (opened.st_ino, opened.st_dev):
+                self._index.pop(key)
+                self._used_bytes -= entry.num_bytes
+                self._quarantine(entry.path, error)
+
+    def _quarantine(self, path: Path, error: SnapshotError) -> None:
+        log.warning("disk tier: quarantining %s: %s", path.name, error)
+        dest = self.quarantine_dir / f"{path.name}.{time.time_ns()}"
+        try:
+            self.quarantine_dir.mkdir(mode=0o700, exist_ok=True)
+            os.replace(path, dest)
+            dest.with_name(dest.name + ".reason").write_text(
+                f"kind: {error.kind}\nerror: {error}\nfile: {path.name}\n"
+                f"time: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        except OSError as e:  # still never loaded: it is out of the index
+            log.error("disk tier: cannot quarantine %s: %s", path.name, e)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _lock_directory(self) -> int:
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DirectoryLockedError(f"{self.directory} is in use by another DiskTier") from None
+        return fd
+
+    def _rebuild_index(self) -> None:
+        """Index every valid *.snap by its header alone; delete temp files left by a crash."""
+        found: list[DiskEntry] = []
+        errors: list[str] = []
+        for item in os.scandir(self.directory):
+            path = Path(item.path)
+            if not item.is_file(follow_symlinks=False):
+                continue
+            if item.name.endswith(TMP_SUFFIX):
+                log.info("disk tier: removing leftover temp file %s", item.name)
+                _unlink_quietly(path)
+            elif item.name.endswith(SNAP_SUFFIX):
+                try:
+                    found.append(self._index_entry(path))
+                except SnapshotError as e:
+                    self._quarantine(path, e)
+                    errors.append(e.kind)
+                except OSError as e:
+                    log.error("disk tier: cannot read %s: %s", item.name, e)
+                    errors.append("io")
+        for entry in sorted(found, key=lambda e: (e.last_used, e.path.name)):
+            self._put(entry)
+        for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
+            log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
+        log.info("disk tier: %d snapshots, %d bytes in %s", len(self._index), self._used_bytes,
+                 self.directory)
+        for kind in errors:
+            self._report(kind)
+
+    def _index_entry(self, path: Path) -> DiskEntry:
+        with open(path, "rb") as f:
+            h = read_header(f)
+            st = os.fstat(f.fileno())
+        check_fingerprint(h, self.fingerprint)
+        if path.name != session_file_name(h.tenant, h.session_id):
+            raise SnapshotError("format", "file name does not match its (tenant, session_id)")
+        if st.st_size != h.file_bytes:
+            kind = "truncated" if st.st_size < h.file_bytes else "format"
+            raise SnapshotError(kind, f"file has {st.st_size} bytes, header says {h.file_bytes}")
+        return DiskEntry(h.tenant, h.session_id, path, st.st_size, h.num_tokens, h.num_kv_tokens,
+                         st.st_mtime)
+
+    def _report(self, kind: str) -> None:
+        assert kind in ERROR_KINDS, kind
+        self._call(self._on_error, kind)
+
+    @staticmethod
+    def _call(hook: Callable[[Any], None] | None, arg: object) -> None:
+        if hook is not None:
+            try:
+                hook(arg)
+            except Exception:  # a caller's hook must never leave the tier half-updated
+                log.exception("disk tier: hook %r(%r) raised", hook, arg)
+
+
+def _unlink_quietly(path: Path | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.error("disk tier: cannot remove %s: %s", path, e)

@@ -1,0 +1,404 @@
+"""On-disk KV snapshot format: one session's token ids, text and KV cache in one file.
+
+Pure format, no directory logic (that is `kv/disk.py`). The byte layout, all integers
+little-endian (docs/KV_SNAPSHOT_FORMAT.md has the full table):
+
+    [0, 24)                 prefix: magic, version, reserved, header_len, header_crc, prefix_crc
+    [24, 24 + H)            header: UTF-8 JSON, H = header_len
+    [24 + H, file_bytes)    payload: tokens (int32), text (UTF-8), one lz4 frame per KV layer
+
+Invariants: a snapshot is only ever returned by `decode_snapshot` after the prefix, header
+and every payload section matched their CRC-32 and the model fingerprint matched; the KV
+tensors it returns are bitwise equal to the ones encoded (dtypes are moved as raw bytes,
+never converted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import time
+import zlib
+from array import array
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Protocol
+
+import lz4.frame
+import numpy as np
+import torch
+
+MAGIC = b"DS4SNAP\x00"
+FORMAT_VERSION = 1
+# magic, version, reserved (0), header_len, header_crc (of the JSON), prefix_crc (of bytes 0..20).
+# This 24-byte prefix is frozen for every future version, so any reader can check it.
+PREFIX = struct.Struct("<8sHHIII")
+PREFIX_SIZE = PREFIX.size
+MAX_HEADER_BYTES = 16 << 20  # ~100 B per layer: a larger header_len can only be corruption
+COMPRESSION = "lz4-frame"
+# Byte-plane shuffling shrinks real bf16 KV by ~25% (ratio ~1.37 vs ~1.05) but costs ~3x the
+# encode and ~2x the decode CPU (bench/snapshot_lz4.py, docs/BENCHMARKS.md): it only saves
+# time on disks slower than a few hundred MB/s. GPU boxes have NVMe, so plain is the default.
+DEFAULT_SHUFFLE = False
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+if sys.byteorder != "little":  # KV bytes are stored in native order, which must be little
+    raise ImportError("ds4pool snapshots need a little-endian host")
+
+
+class SnapshotError(Exception):
+    """A snapshot that must not be trusted. `kind` says why, for metrics and quarantine."""
+
+    KINDS = ("checksum", "truncated", "fingerprint", "format")
+
+    def __init__(self, kind: str, message: str) -> None:
+        assert kind in self.KINDS, kind
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What the KV bytes depend on. Two models with equal digests produce interchangeable KV."""
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # KV dtype, a key of DTYPES
+    weights_id: str  # hash of the weights, supplied by the model loader
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {list(DTYPES)}")
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of all fields: stable across processes and versions."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Section:
+    """One payload section: its stored (compressed) length and the CRC-32 of those bytes."""
+
+    num_bytes: int = 0
+    crc32: int = 0
+
+
+@dataclass(frozen=True)
+class SnapshotHeader:
+    """Everything before the payload. The layout fields (shuffle .. header_bytes) are filled in
+    by the encoder; a header built by `Snapshot.create` leaves them at their defaults."""
+
+    tenant: str
+    session_id: str
+    fingerprint: ModelFingerprint
+    num_tokens: int  # len(token_ids)
+    num_kv_tokens: int  # T of every KV layer; <= num_tokens (the last sampled id may lack KV)
+    created: float  # unix time the snapshot was taken
+    shuffle: bool = False
+    compression: str = COMPRESSION
+    tokens: Section = Section()
+    text: Section = Section()
+    kv: tuple[Section, ...] = ()
+    header_bytes: int = 0  # PREFIX_SIZE + header_len: offset of the payload in the file
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        fp = self.fingerprint
+        return (2, self.num_kv_tokens, fp.num_kv_heads, fp.head_dim)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.tokens.num_bytes + self.text.num_bytes + sum(s.num_bytes for s in self.kv)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header_bytes + self.payload_bytes
+
+
+@dataclass
+class Snapshot:
+    """One session: exact token ids, the text they stand for, KV per layer [2, T, H, D] on CPU."""
+
+    header: SnapshotHeader
+    token_ids: list[int]
+    text: str
+    kv: list[torch.Tensor] = field(repr=False)
+
+    @classmethod
+    def create(cls, tenant: str, session_id: str, fingerprint: ModelFingerprint,
+               token_ids: list[int], text: str, kv: list[torch.Tensor],
+               *, created: float | None = None) -> Snapshot:
+        num_kv_tokens = kv[0].shape[1] if kv else 0
+        header = SnapshotHeader(tenant, session_id, fingerprint, len(token_ids), num_kv_tokens,
+                                time.time() if created is None else float(created))
+        return cls(header, list(token_ids), text, list(kv))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.header.tenant, self.header.session_id)
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def _check_encodable(s: Snapshot) -> None:
+    """Programming errors (a bad Snapshot from the pool) raise ValueError before any write."""
+    h, fp = s.header, s.header.fingerprint
+    if len(s.token_ids) != h.num_tokens or h.num_kv_tokens > h.num_tokens:
+        raise ValueError(f"{len(s.token_ids)} token ids, header says {h.num_tokens} "
+                         f"tokens / {h.num_kv_tokens} KV tokens")
+    if len(s.kv) != fp.num_layers:
+        raise ValueError(f"{len(s.kv)} KV layers, fingerprint says {fp.num_layers}")
+    for i, t in enumerate(s.kv):
+        if tuple(t.shape) != h.kv_shape or t.dtype != fp.torch_dtype or t.device.type != "cpu":
+            raise ValueError(f"KV layer {i}: {tuple(t.shape)} {t.dtype} on {t.device}, "
+                             f"expected {h.kv_shape} {fp.torch_dtype} on cpu")
+    if s.token_ids and not 0 <= min(s.token_ids) <= max(s.token_ids) < 2**31:
+        raise ValueError("token ids must lie in [0, 2**31)")
+
+
+# Byte-plane shuffling uses numpy: single-threaded (it runs on the pool's writer thread and
+# must not fight the model for torch's intra-op threads) and ~2.5-3 GB/s per core both ways,
+# where a torch uint8 transpose copy runs at ~0.2 GB/s.
+
+
+def _shuffle(t: torch.Tensor) -> np.ndarray:
+    """[N] elements of k bytes -> [k, N] uint8: plane j holds byte j of every element."""
+    k = t.element_size()
+    elems = t.contiguous().view(torch.uint8).numpy().reshape(-1, k)  # [N, k], no copy
+    return np.ascontiguousarray(elems.T)  # [k, N]
+
+
+def _unshuffle(planes: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+    """Inverse of _shuffle: write [k * N] uint8 planes into `out` (contiguous, N elements)."""
+    k = out.element_size()
+    elems = out.view(torch.uint8).numpy().reshape(-1, k)  # [N, k], shares out's memory
+    for j, plane in enumerate(planes.reshape(k, -1)):
+        elems[:, j] = plane  # one strided pass per plane beats one transpose of [k, N]
+    return out
+
+
+def _layer_frame(t: torch.Tensor, shuffle: bool) -> bytes:
+    """Raw bytes of one layer (optionally byte-plane shuffled), as one lz4 frame."""
+    if shuffle and t.element_size() > 1 and t.numel():
+        data = _shuffle(t)
+    else:
+        data = t.contiguous().view(torch.uint8).numpy()  # memory order, little-endian
+    return lz4.frame.compress(data, compression_level=0, store_size=True)
+
+
+def _section(data: bytes) -> Section:
+    return Section(len(data), zlib.crc32(data))
+
+
+def _header_json(h: SnapshotHeader) -> bytes:
+    doc = {
+        "tenant": h.tenant, "session_id": h.session_id, "created": float(h.created),
+        "fingerprint": asdict(h.fingerprint), "fingerprint_digest": h.fingerprint.digest(),
+        "num_tokens": h.num_tokens, "num_kv_tokens": h.num_kv_tokens,
+        "dtype": h.fingerprint.dtype, "kv_shape": list(h.kv_shape),
+        "compression": h.compression, "shuffle": h.shuffle,
+        "tokens": asdict(h.tokens), "text": asdict(h.text), "kv": [asdict(s) for s in h.kv],
+    }
+    # ensure_ascii: ids with lone surrogates or control characters still encode.
+    return json.dumps(doc, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def _encode_parts(s: Snapshot, shuffle: bool) -> tuple[SnapshotHeader, list[bytes]]:
+    """The file as a list of chunks (prefix, header, tokens, text, frames) and its header.
+    Layers are compressed before anything is written: the header needs their lengths and
+    CRCs. Peak extra memory is the compressed KV, never a second copy of the whole file."""
+    _check_encodable(s)
+    tokens = array("i", s.token_ids).tobytes()
+    assert len(tokens) == 4 * len(s.token_ids)
+    text = s.text.encode("utf-8")
+    frames = [_layer_frame(t, shuffle) for t in s.kv]
+    header = replace(s.header, shuffle=shuffle, compression=COMPRESSION, tokens=_section(tokens),
+                     text=_section(text), kv=tuple(_section(fr) for fr in frames))
+    body = _header_json(header)
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body), 0)
+    prefix = prefix[:20] + struct.pack("<I", zlib.crc32(prefix[:20]))
+    header = replace(header, header_bytes=PREFIX_SIZE + len(body))
+    return header, [prefix, body, tokens, text, *frames]
+
+
+def write_snapshot(f: Writable, s: Snapshot, *, shuffle: bool = DEFAULT_SHUFFLE) -> SnapshotHeader:
+    """Write `s` to the binary file `f`; return the header as written (`file_bytes` of it is
+    the number of bytes written). Raises ValueError for a malformed Snapshot before writing."""
+    header, parts = _encode_parts(s, shuffle)
+    for chunk in parts:
+        f.write(chunk)
+    return header
+
+
+def encode_snapshot(s: Snapshot, *, shuffle: bool = DEFAULT_SHUFFLE) -> bytes:
+    return b"".join(_encode_parts(s, shuffle)[1])
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Readable(Protocol):
+    def read(self, n: int = -1, /) -> Buffer: ...
+
+
+class Writable(Protocol):
+    def write(self, data: bytes, /) -> object: ...
+
+
+Source = Buffer | Readable
+
+
+class _BufferReader:
+    """read() over an in-memory buffer returning zero-copy memoryview slices."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._view, self._pos = memoryview(data).cast("B"), 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self._view) if n < 0 else min(self._pos + n, len(self._view))
+        chunk, self._pos = self._view[self._pos : end], end
+        return chunk
+
+
+def _reader(source: Source) -> Readable:
+    return _BufferReader(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+
+
+def _read_exact(f: Readable, n: int, what: str) -> Buffer:
+    data = f.read(n)
+    if len(data) != n:
+        raise SnapshotError("truncated", f"{what}: wanted {n} bytes, file ended after {len(data)}")
+    return data
+
+
+# Field name -> runtime type, for strict parsing (annotations are strings here).
+_FINGERPRINT_TYPES = {f.name: int if f.type == "int" else str for f in fields(ModelFingerprint)}
+
+
+def _get(doc: dict[str, Any], key: str, kind: type) -> Any:
+    value = doc[key]
+    # bool is an int subclass: never accept one for the other.
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise TypeError(f"{key}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _parse_section(doc: dict[str, Any]) -> Section:
+    sec = Section(_get(doc, "num_bytes", int), _get(doc, "crc32", int))
+    if sec.num_bytes < 0 or not 0 <= sec.crc32 < 2**32:
+        raise ValueError(f"bad section {sec}")
+    return sec
+
+
+def _parse_header(body: Buffer) -> SnapshotHeader:
+    doc = json.loads(bytes(body))
+    fpd = _get(doc, "fingerprint", dict)
+    fp = ModelFingerprint(**{name: _get(fpd, name, t) for name, t in _FINGERPRINT_TYPES.items()})
+    h = SnapshotHeader(
+        tenant=_get(doc, "tenant", str), session_id=_get(doc, "session_id", str), fingerprint=fp,
+        num_tokens=_get(doc, "num_tokens", int), num_kv_tokens=_get(doc, "num_kv_tokens", int),
+        created=float(_get(doc, "created", float)), shuffle=_get(doc, "shuffle", bool),
+        compression=_get(doc, "compression", str),
+        tokens=_parse_section(_get(doc, "tokens", dict)),
+        text=_parse_section(_get(doc, "text", dict)),
+        kv=tuple(_parse_section(s) for s in _get(doc, "kv", list)),
+        header_bytes=PREFIX_SIZE + len(body),
+    )
+    # Redundant fields must agree with the ones they repeat.
+    if (_get(doc, "fingerprint_digest", str) != fp.digest() or _get(doc, "dtype", str) != fp.dtype
+            or tuple(_get(doc, "kv_shape", list)) != h.kv_shape or h.compression != COMPRESSION
+            or len(h.kv) != fp.num_layers or not 0 <= h.num_kv_tokens <= h.num_tokens
+            or h.tokens.num_bytes != 4 * h.num_tokens):
+        raise ValueError("inconsistent header fields")
+    return h
+
+
+def read_header(source: Source) -> SnapshotHeader:
+    """Read and validate only the prefix and header (magic, version, both CRCs, field types).
+    Leaves a file positioned at the payload. Checks neither the fingerprint nor the payload."""
+    f = _reader(source)
+    prefix = f.read(PREFIX_SIZE)
+    if bytes(prefix[:8]) != MAGIC[: len(prefix)]:  # a short foreign file is foreign, not cut
+        raise SnapshotError("format", "not a ds4pool KV snapshot (bad magic)")
+    if len(prefix) < PREFIX_SIZE:
+        raise SnapshotError("truncated", f"prefix: file ended after {len(prefix)} bytes")
+    magic, version, reserved, header_len, header_crc, prefix_crc = PREFIX.unpack(prefix)
+    if zlib.crc32(prefix[:20]) != prefix_crc:
+        raise SnapshotError("checksum", "prefix CRC mismatch")
+    if version != FORMAT_VERSION or reserved != 0:
+        raise SnapshotError("format", f"unsupported snapshot version {version}.{reserved}, "
+                                      f"this build reads {FORMAT_VERSION}.0")
+    if header_len > MAX_HEADER_BYTES:
+        raise SnapshotError("format", f"header length {header_len} is implausible")
+    body = _read_exact(f, header_len, "header")
+    if zlib.crc32(body) != header_crc:
+        raise SnapshotError("checksum", "header CRC mismatch")
+    try:
+        return _parse_header(body)
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        raise SnapshotError("format", f"bad header: {e}") from e
+
+
+def check_fingerprint(header: SnapshotHeader, expected: ModelFingerprint) -> None:
+    if header.fingerprint.digest() != expected.digest():
+        raise SnapshotError("fingerprint", f"snapshot is for model {header.fingerprint}, "
+                                           f"this one is {expected}")
+
+
+def _read_section(f: Readable, sec: Section, what: str) -> Buffer:
+    data = _read_exact(f, sec.num_bytes, what)
+    if zlib.crc32(data) != sec.crc32:
+        raise SnapshotError("checksum", f"{what}: CRC mismatch")
+    return data
+
+
+def _decode_layer(frame: Buffer, h: SnapshotHeader, i: int) -> torch.Tensor:
+    dtype = h.fingerprint.torch_dtype
+    k = dtype.itemsize
+    expected = k * h.kv_shape[0] * h.kv_shape[1] * h.kv_shape[2] * h.kv_shape[3]
+    try:
+        raw = lz4.frame.decompress(frame, return_bytearray=True)
+    except RuntimeError as e:  # only reachable if the encoder wrote a bad frame: CRC passed
+        raise SnapshotError("format", f"KV layer {i}: lz4: {e}") from e
+    if len(raw) != expected:
+        raise SnapshotError("format", f"KV layer {i}: {len(raw)} bytes, expected {expected}")
+    if expected == 0:
+        return torch.empty(h.kv_shape, dtype=dtype)
+    if h.shuffle and k > 1:
+        return _unshuffle(np.frombuffer(raw, dtype=np.uint8), torch.empty(h.kv_shape, dtype=dtype))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(h.kv_shape)  # no copy
+
+
+def decode_snapshot(source: Source, expected: ModelFingerprint) -> Snapshot:
+    """Fully validate and decode a snapshot from bytes or a binary file positioned at its start.
+    Raises SnapshotError; never returns data whose CRC or fingerprint did not match."""
+    f = _reader(source)
+    h = read_header(f)
+    check_fingerprint(h, expected)
+    tokens = array("i")
+    tokens.frombytes(_read_section(f, h.tokens, "tokens"))
+    try:
+        text = str(_read_section(f, h.text, "text"), "utf-8")
+    except UnicodeDecodeError as e:
+        raise SnapshotError("format", f"text is not UTF-8: {e}") from e
+    kv = [_decode_layer(_read_section(f, sec, f"KV layer {i}"), h, i)
+          for i, sec in enumerate(h.kv)]
+    if f.read(1):
+        raise SnapshotError("format", "trailing bytes after the last section")
+    return Snapshot(h, tokens.tolist(), text, kv)
