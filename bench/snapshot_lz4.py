@@ -56,8 +56,9 @@ def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def real_kv(ids: list[int], num_layers: int, hidden: int, num_heads: int, num_kv_heads: int,
-            seed: int = 0) -> list[torch.Tensor]:
+def real_kv(
+    ids: list[int], num_layers: int, hidden: int, num_heads: int, num_kv_heads: int, seed: int = 0
+) -> list[torch.Tensor]:
     """Prefill `ids` through a random Llama-shaped model; return per layer [2, T, Hkv, D]."""
     g = torch.Generator().manual_seed(seed)
     D, inter, T = hidden // num_heads, 2 * hidden, len(ids)
@@ -78,8 +79,11 @@ def real_kv(ids: list[int], num_layers: int, hidden: int, num_heads: int, num_kv
         kv.append(torch.stack([k, v]))  # [2, T, Hkv, D]
         rep = num_heads // num_kv_heads
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
-            v.repeat_interleave(rep, 1).transpose(0, 1), is_causal=True)  # [H, T, D]
+            q.transpose(0, 1),
+            k.repeat_interleave(rep, 1).transpose(0, 1),
+            v.repeat_interleave(rep, 1).transpose(0, 1),
+            is_causal=True,
+        )  # [H, T, D]
         x = x + o.transpose(0, 1).reshape(T, hidden) @ w(hidden, hidden).T
         h = rms(x)
         x = x + (F.silu(h @ w(inter, hidden).T) * (h @ w(inter, hidden).T)) @ w(hidden, inter).T
@@ -136,13 +140,17 @@ def measure(name: str, snap: Snapshot, fp: ModelFingerprint, repeat: int) -> lis
         times[shuffle] = [best_time(f, repeat) for f in (compress, unpack, encode, decode)]
         stored[shuffle] = sum(len(f) for f in frames)
         mbs = " | ".join(f"{raw / t / 1e6:,.0f}" for t in times[shuffle])
-        rows.append(f"| {name} | {'shuffled' if shuffle else 'plain'} | {raw / 1e6:.1f} | "
-                    f"{stored[shuffle] / 1e6:.1f} | {raw / stored[shuffle]:.3f} | {mbs} |")
+        rows.append(
+            f"| {name} | {'shuffled' if shuffle else 'plain'} | {raw / 1e6:.1f} | "
+            f"{stored[shuffle] / 1e6:.1f} | {raw / stored[shuffle]:.3f} | {mbs} |"
+        )
     saved = (stored[False] - stored[True]) / 1e6
     write_s, read_s = (times[True][i] - times[False][i] for i in (2, 3))
     even = [f"{saved / s:,.0f} MB/s" if s > 0 else "any speed" for s in (write_s, read_s)]
-    notes = (f"- {name}: shuffling saves {saved / (raw / 1e6):.0%} of the raw bytes; it saves "
-             f"time only on disks slower than {even[0]} (write) / {even[1]} (read)")
+    notes = (
+        f"- {name}: shuffling saves {saved / (raw / 1e6):.0%} of the raw bytes; it saves "
+        f"time only on disks slower than {even[0]} (write) / {even[1]} (read)"
+    )
     return rows + [notes]
 
 
@@ -170,13 +178,17 @@ def main() -> None:
     fp16 = ModelFingerprint("bench-llama", args.layers, args.kv_heads, D, "bfloat16", "noise")
     cases.append(("N(0,1) noise bfloat16 (control)", fp16, noise))
 
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
-          f"{args.kv_heads} KV heads, head_dim {D}; prompt {len(ids)} byte tokens of "
-          f"torch/nn/modules/*.py; prefill {t_model:.1f} s; torch {torch.__version__}, "
-          f"lz4 {lz4.library_version_string()}, {platform.machine()}, "
-          f"{torch.get_num_threads()} threads\n")
-    print("| KV | layout | raw MB | stored MB | ratio | (shuffle+) lz4 compress MB/s "
-          "| lz4 decompress (+unshuffle) MB/s | encode_snapshot MB/s | decode_snapshot MB/s |")
+    print(
+        f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
+        f"{args.kv_heads} KV heads, head_dim {D}; prompt {len(ids)} byte tokens of "
+        f"torch/nn/modules/*.py; prefill {t_model:.1f} s; torch {torch.__version__}, "
+        f"lz4 {lz4.library_version_string()}, {platform.machine()}, "
+        f"{torch.get_num_threads()} threads\n"
+    )
+    print(
+        "| KV | layout | raw MB | stored MB | ratio | (shuffle+) lz4 compress MB/s "
+        "| lz4 decompress (+unshuffle) MB/s | encode_snapshot MB/s | decode_snapshot MB/s |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     notes = []
     for name, fp, kv in cases:
@@ -188,10 +200,12 @@ def main() -> None:
 
     blob = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
     print("\n| checksum (stdlib) | MB/s |\n|---|---:|")
-    for name, fn in [("zlib.crc32", lambda: zlib.crc32(blob)),
-                     ("zlib.adler32", lambda: zlib.adler32(blob)),
-                     ("hashlib.blake2b", lambda: hashlib.blake2b(blob).digest()),
-                     ("hashlib.sha256", lambda: hashlib.sha256(blob).digest())]:
+    for name, fn in [
+        ("zlib.crc32", lambda: zlib.crc32(blob)),
+        ("zlib.adler32", lambda: zlib.adler32(blob)),
+        ("hashlib.blake2b", lambda: hashlib.blake2b(blob).digest()),
+        ("hashlib.sha256", lambda: hashlib.sha256(blob).digest()),
+    ]:
         print(f"| {name} | {len(blob) / best_time(fn, args.repeat) / 1e6:,.0f} |")
 
 

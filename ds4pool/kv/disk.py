@@ -99,10 +99,16 @@ class DiskTier:
     outside the tier's lock (so it may call back into the pool); not for delete(), quarantine
     or the evictions done at start-up (entries() never lists those)."""
 
-    def __init__(self, directory: Path | str, budget_bytes: int, fingerprint: ModelFingerprint, *,
-                 shuffle: bool = DEFAULT_SHUFFLE,
-                 on_error: Callable[[str], None] | None = None,
-                 on_evict: Callable[[DiskEntry], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        budget_bytes: int,
+        fingerprint: ModelFingerprint,
+        *,
+        shuffle: bool = DEFAULT_SHUFFLE,
+        on_error: Callable[[str], None] | None = None,
+        on_evict: Callable[[DiskEntry], None] | None = None,
+    ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.directory = Path(directory).resolve()
@@ -168,13 +174,16 @@ class DiskTier:
             _unlink_quietly(tmp)
             self.delete(*key)
             self._report("too_large")
-            raise SnapshotTooLargeError(f"snapshot of {written.file_bytes} bytes exceeds the "
-                                        f"disk budget of {self._budget_bytes}")
+            raise SnapshotTooLargeError(
+                f"snapshot of {written.file_bytes} bytes exceeds the "
+                f"disk budget of {self._budget_bytes}"
+            )
         try:
             with self._lock:
                 os.replace(tmp, path)  # the only call here that can raise (_drop never does)
-                self._put(DiskEntry(*key, path, written.file_bytes, h.num_tokens,
-                                    h.num_kv_tokens, now))
+                self._put(
+                    DiskEntry(*key, path, written.file_bytes, h.num_tokens, h.num_kv_tokens, now)
+                )
                 evicted = self._evict_to_budget(keep=key)
         except OSError as e:
             _unlink_quietly(tmp)
@@ -305,8 +314,9 @@ class DiskTier:
         except OSError:
             pass  # only the order after a restart suffers
 
-    def _quarantine_if_current(self, key: SessionKey, opened: os.stat_result,
-                               error: SnapshotError) -> None:
+    def _quarantine_if_current(
+        self, key: SessionKey, opened: os.stat_result, error: SnapshotError
+    ) -> None:
         with self._lock:
             entry = self._index.get(key)
             try:
@@ -327,7 +337,8 @@ class DiskTier:
             os.replace(path, dest)
             dest.with_name(dest.name + ".reason").write_text(
                 f"kind: {error.kind}\nerror: {error}\nfile: {path.name}\n"
-                f"time: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+                f"time: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+            )
         except OSError as e:  # still never loaded: it is out of the index
             log.error("disk tier: cannot quarantine %s: %s", path.name, e)
 
@@ -366,8 +377,12 @@ class DiskTier:
             self._put(entry)
         for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
             log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
-        log.info("disk tier: %d snapshots, %d bytes in %s", len(self._index), self._used_bytes,
-                 self.directory)
+        log.info(
+            "disk tier: %d snapshots, %d bytes in %s",
+            len(self._index),
+            self._used_bytes,
+            self.directory,
+        )
         for kind in errors:
             self._report(kind)
 
@@ -381,8 +396,9 @@ class DiskTier:
         if st.st_size != h.file_bytes:
             kind = "truncated" if st.st_size < h.file_bytes else "format"
             raise SnapshotError(kind, f"file has {st.st_size} bytes, header says {h.file_bytes}")
-        return DiskEntry(h.tenant, h.session_id, path, st.st_size, h.num_tokens, h.num_kv_tokens,
-                         st.st_mtime)
+        return DiskEntry(
+            h.tenant, h.session_id, path, st.st_size, h.num_tokens, h.num_kv_tokens, st.st_mtime
+        )
 
     def _report(self, kind: str) -> None:
         assert kind in ERROR_KINDS, kind

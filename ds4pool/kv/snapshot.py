@@ -137,12 +137,26 @@ class Snapshot:
     kv: list[torch.Tensor] = field(repr=False)
 
     @classmethod
-    def create(cls, tenant: str, session_id: str, fingerprint: ModelFingerprint,
-               token_ids: list[int], text: str, kv: list[torch.Tensor],
-               *, created: float | None = None) -> Snapshot:
+    def create(
+        cls,
+        tenant: str,
+        session_id: str,
+        fingerprint: ModelFingerprint,
+        token_ids: list[int],
+        text: str,
+        kv: list[torch.Tensor],
+        *,
+        created: float | None = None,
+    ) -> Snapshot:
         num_kv_tokens = kv[0].shape[1] if kv else 0
-        header = SnapshotHeader(tenant, session_id, fingerprint, len(token_ids), num_kv_tokens,
-                                time.time() if created is None else float(created))
+        header = SnapshotHeader(
+            tenant,
+            session_id,
+            fingerprint,
+            len(token_ids),
+            num_kv_tokens,
+            time.time() if created is None else float(created),
+        )
         return cls(header, list(token_ids), text, list(kv))
 
     @property
@@ -157,14 +171,18 @@ def _check_encodable(s: Snapshot) -> None:
     """Programming errors (a bad Snapshot from the pool) raise ValueError before any write."""
     h, fp = s.header, s.header.fingerprint
     if len(s.token_ids) != h.num_tokens or h.num_kv_tokens > h.num_tokens:
-        raise ValueError(f"{len(s.token_ids)} token ids, header says {h.num_tokens} "
-                         f"tokens / {h.num_kv_tokens} KV tokens")
+        raise ValueError(
+            f"{len(s.token_ids)} token ids, header says {h.num_tokens} "
+            f"tokens / {h.num_kv_tokens} KV tokens"
+        )
     if len(s.kv) != fp.num_layers:
         raise ValueError(f"{len(s.kv)} KV layers, fingerprint says {fp.num_layers}")
     for i, t in enumerate(s.kv):
         if tuple(t.shape) != h.kv_shape or t.dtype != fp.torch_dtype or t.device.type != "cpu":
-            raise ValueError(f"KV layer {i}: {tuple(t.shape)} {t.dtype} on {t.device}, "
-                             f"expected {h.kv_shape} {fp.torch_dtype} on cpu")
+            raise ValueError(
+                f"KV layer {i}: {tuple(t.shape)} {t.dtype} on {t.device}, "
+                f"expected {h.kv_shape} {fp.torch_dtype} on cpu"
+            )
     if s.token_ids and not 0 <= min(s.token_ids) <= max(s.token_ids) < 2**31:
         raise ValueError("token ids must lie in [0, 2**31)")
 
@@ -205,12 +223,20 @@ def _section(data: bytes) -> Section:
 
 def _header_json(h: SnapshotHeader) -> bytes:
     doc = {
-        "tenant": h.tenant, "session_id": h.session_id, "created": float(h.created),
-        "fingerprint": asdict(h.fingerprint), "fingerprint_digest": h.fingerprint.digest(),
-        "num_tokens": h.num_tokens, "num_kv_tokens": h.num_kv_tokens,
-        "dtype": h.fingerprint.dtype, "kv_shape": list(h.kv_shape),
-        "compression": h.compression, "shuffle": h.shuffle,
-        "tokens": asdict(h.tokens), "text": asdict(h.text), "kv": [asdict(s) for s in h.kv],
+        "tenant": h.tenant,
+        "session_id": h.session_id,
+        "created": float(h.created),
+        "fingerprint": asdict(h.fingerprint),
+        "fingerprint_digest": h.fingerprint.digest(),
+        "num_tokens": h.num_tokens,
+        "num_kv_tokens": h.num_kv_tokens,
+        "dtype": h.fingerprint.dtype,
+        "kv_shape": list(h.kv_shape),
+        "compression": h.compression,
+        "shuffle": h.shuffle,
+        "tokens": asdict(h.tokens),
+        "text": asdict(h.text),
+        "kv": [asdict(s) for s in h.kv],
     }
     # ensure_ascii: ids with lone surrogates or control characters still encode.
     return json.dumps(doc, ensure_ascii=True, separators=(",", ":")).encode()
@@ -225,8 +251,14 @@ def _encode_parts(s: Snapshot, shuffle: bool) -> tuple[SnapshotHeader, list[byte
     assert len(tokens) == 4 * len(s.token_ids)
     text = s.text.encode("utf-8")
     frames = [_layer_frame(t, shuffle) for t in s.kv]
-    header = replace(s.header, shuffle=shuffle, compression=COMPRESSION, tokens=_section(tokens),
-                     text=_section(text), kv=tuple(_section(fr) for fr in frames))
+    header = replace(
+        s.header,
+        shuffle=shuffle,
+        compression=COMPRESSION,
+        tokens=_section(tokens),
+        text=_section(text),
+        kv=tuple(_section(fr) for fr in frames),
+    )
     body = _header_json(header)
     prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body), 0)
     prefix = prefix[:20] + struct.pack("<I", zlib.crc32(prefix[:20]))
@@ -311,9 +343,13 @@ def _parse_header(body: Buffer) -> SnapshotHeader:
     fpd = _get(doc, "fingerprint", dict)
     fp = ModelFingerprint(**{name: _get(fpd, name, t) for name, t in _FINGERPRINT_TYPES.items()})
     h = SnapshotHeader(
-        tenant=_get(doc, "tenant", str), session_id=_get(doc, "session_id", str), fingerprint=fp,
-        num_tokens=_get(doc, "num_tokens", int), num_kv_tokens=_get(doc, "num_kv_tokens", int),
-        created=float(_get(doc, "created", float)), shuffle=_get(doc, "shuffle", bool),
+        tenant=_get(doc, "tenant", str),
+        session_id=_get(doc, "session_id", str),
+        fingerprint=fp,
+        num_tokens=_get(doc, "num_tokens", int),
+        num_kv_tokens=_get(doc, "num_kv_tokens", int),
+        created=float(_get(doc, "created", float)),
+        shuffle=_get(doc, "shuffle", bool),
         compression=_get(doc, "compression", str),
         tokens=_parse_section(_get(doc, "tokens", dict)),
         text=_parse_section(_get(doc, "text", dict)),
@@ -321,10 +357,15 @@ def _parse_header(body: Buffer) -> SnapshotHeader:
         header_bytes=PREFIX_SIZE + len(body),
     )
     # Redundant fields must agree with the ones they repeat.
-    if (_get(doc, "fingerprint_digest", str) != fp.digest() or _get(doc, "dtype", str) != fp.dtype
-            or tuple(_get(doc, "kv_shape", list)) != h.kv_shape or h.compression != COMPRESSION
-            or len(h.kv) != fp.num_layers or not 0 <= h.num_kv_tokens <= h.num_tokens
-            or h.tokens.num_bytes != 4 * h.num_tokens):
+    if (
+        _get(doc, "fingerprint_digest", str) != fp.digest()
+        or _get(doc, "dtype", str) != fp.dtype
+        or tuple(_get(doc, "kv_shape", list)) != h.kv_shape
+        or h.compression != COMPRESSION
+        or len(h.kv) != fp.num_layers
+        or not 0 <= h.num_kv_tokens <= h.num_tokens
+        or h.tokens.num_bytes != 4 * h.num_tokens
+    ):
         raise ValueError("inconsistent header fields")
     return h
 
@@ -342,8 +383,11 @@ def read_header(source: Source) -> SnapshotHeader:
     if zlib.crc32(prefix[:20]) != prefix_crc:
         raise SnapshotError("checksum", "prefix CRC mismatch")
     if version != FORMAT_VERSION or reserved != 0:
-        raise SnapshotError("format", f"unsupported snapshot version {version}.{reserved}, "
-                                      f"this build reads {FORMAT_VERSION}.0")
+        raise SnapshotError(
+            "format",
+            f"unsupported snapshot version {version}.{reserved}, "
+            f"this build reads {FORMAT_VERSION}.0",
+        )
     if header_len > MAX_HEADER_BYTES:
         raise SnapshotError("format", f"header length {header_len} is implausible")
     body = _read_exact(f, header_len, "header")
@@ -357,8 +401,9 @@ def read_header(source: Source) -> SnapshotHeader:
 
 def check_fingerprint(header: SnapshotHeader, expected: ModelFingerprint) -> None:
     if header.fingerprint.digest() != expected.digest():
-        raise SnapshotError("fingerprint", f"snapshot is for model {header.fingerprint}, "
-                                           f"this one is {expected}")
+        raise SnapshotError(
+            "fingerprint", f"snapshot is for model {header.fingerprint}, this one is {expected}"
+        )
 
 
 def _read_section(f: Readable, sec: Section, what: str) -> Buffer:
@@ -397,8 +442,7 @@ def decode_snapshot(source: Source, expected: ModelFingerprint) -> Snapshot:
         text = str(_read_section(f, h.text, "text"), "utf-8")
     except UnicodeDecodeError as e:
         raise SnapshotError("format", f"text is not UTF-8: {e}") from e
-    kv = [_decode_layer(_read_section(f, sec, f"KV layer {i}"), h, i)
-          for i, sec in enumerate(h.kv)]
+    kv = [_decode_layer(_read_section(f, sec, f"KV layer {i}"), h, i) for i, sec in enumerate(h.kv)]
     if f.read(1):
         raise SnapshotError("format", "trailing bytes after the last section")
     return Snapshot(h, tokens.tolist(), text, kv)

@@ -216,10 +216,13 @@ class Sampler:
             self._upload(torch.tensor(lengths), device),
             output_size=len(flat),
         )  # [N] row (in rows) of each token
-        coefs = self._upload(torch.tensor(
-            [[params[i].presence_penalty, params[i].frequency_penalty] for i in rows],
-            dtype=torch.float32,
-        ), device)  # [P, 2]
+        coefs = self._upload(
+            torch.tensor(
+                [[params[i].presence_penalty, params[i].frequency_penalty] for i in rows],
+                dtype=torch.float32,
+            ),
+            device,
+        )  # [P, 2]
         counts = torch.zeros(len(rows), logits32.shape[1], dtype=torch.float32, device=device)
         # Accumulating 1.0s is exact in float32, so the atomic order on CUDA does not matter.
         ones = torch.ones(len(flat), dtype=torch.float32, device=device)  # [N]
@@ -239,20 +242,31 @@ class Sampler:
         num_rows, vocab_size = logits32.shape
         device = logits32.device
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        floats = self._upload(torch.tensor(
-            [[p.temperature, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf]
-             for p in params],
-            dtype=self.float_dtype,
-        ), device)  # [S, 3]: temperature, top_p, log(min_p)
-        ints = self._upload(torch.tensor(
-            [[_row_key(s, t), k] for s, t, k in zip(seeds, steps, top_ks, strict=True)],
-            dtype=torch.int64,
-        ), device)  # [S, 2]: hash key, effective top_k in [1, V]
+        floats = self._upload(
+            torch.tensor(
+                [
+                    [p.temperature, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf]
+                    for p in params
+                ],
+                dtype=self.float_dtype,
+            ),
+            device,
+        )  # [S, 3]: temperature, top_p, log(min_p)
+        ints = self._upload(
+            torch.tensor(
+                [[_row_key(s, t), k] for s, t, k in zip(seeds, steps, top_ks, strict=True)],
+                dtype=torch.int64,
+            ),
+            device,
+        )  # [S, 2]: hash key, effective top_k in [1, V]
         chunk = max(1, self.chunk_elements // vocab_size)
         sampled = [
             self._sample_chunk(
-                logits32[r : r + chunk], params[r : r + chunk], top_ks[r : r + chunk],
-                floats[r : r + chunk], ints[r : r + chunk],
+                logits32[r : r + chunk],
+                params[r : r + chunk],
+                top_ks[r : r + chunk],
+                floats[r : r + chunk],
+                ints[r : r + chunk],
             )
             for r in range(0, num_rows, chunk)
         ]  # each [rows in chunk]

@@ -51,8 +51,20 @@ def test_generate_prints_completion_and_timing(cache: Path) -> None:
 
 
 def test_generate_chat_seeded_sampling_is_reproducible(cache: Path) -> None:
-    args = ["generate", "--chat", "--prompt", "hello", "--max-tokens", "10",
-            "--temperature", "0.9", "--top-p", "0.95", "--seed", "42"]
+    args = [
+        "generate",
+        "--chat",
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "10",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "42",
+    ]
     a, b = run_cli(*args, cache=cache), run_cli(*args, cache=cache)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout

@@ -31,17 +31,29 @@ BIG = 1 << 16  # tokens in the crash tests' snapshots: ~8 MB, so a kill often la
 REPO = Path(__file__).resolve().parents[2]
 
 
-def snap(session_id: str = "agent-1", version: int = 1, num_tokens: int = 6,
-         tenant: str = "acme", fp: ModelFingerprint = FP) -> Snapshot:
+def snap(
+    session_id: str = "agent-1",
+    version: int = 1,
+    num_tokens: int = 6,
+    tenant: str = "acme",
+    fp: ModelFingerprint = FP,
+) -> Snapshot:
     """A snapshot whose every token id and KV value is `version`, so a read tells which one."""
-    kv = [torch.full((2, num_tokens, fp.num_kv_heads, fp.head_dim), float(version),
-                     dtype=fp.torch_dtype) for _ in range(fp.num_layers)]
+    kv = [
+        torch.full(
+            (2, num_tokens, fp.num_kv_heads, fp.head_dim), float(version), dtype=fp.torch_dtype
+        )
+        for _ in range(fp.num_layers)
+    ]
     return Snapshot.create(tenant, session_id, fp, [version] * num_tokens, f"v{version}", kv)
 
 
 def same(a: Snapshot | None, b: Snapshot) -> bool:
-    return a is not None and (a.key, a.token_ids, a.text) == (b.key, b.token_ids, b.text) and all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.kv, b.kv))
+    return (
+        a is not None
+        and (a.key, a.token_ids, a.text) == (b.key, b.token_ids, b.text)
+        and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.kv, b.kv))
+    )
 
 
 class Errors(list[str]):
@@ -49,8 +61,9 @@ class Errors(list[str]):
         self.append(kind)
 
 
-def tier(path: Path, budget: int = 1 << 30, fp: ModelFingerprint = FP,
-         errors: Errors | None = None) -> DiskTier:
+def tier(
+    path: Path, budget: int = 1 << 30, fp: ModelFingerprint = FP, errors: Errors | None = None
+) -> DiskTier:
     return DiskTier(path, budget, fp, on_error=errors)
 
 
@@ -76,8 +89,21 @@ def test_write_read_delete(tmp_path: Path) -> None:
         assert t.used_bytes == 0 and files(tmp_path) == set()
 
 
-NASTY = ["../x", "/etc/passwd", "a/../../b", "..", ".", "", "\x00", "a\x00b", "x" * 10_000,
-         "\udc80", "C:\\con", "🦀/" * 50, "\n.snap"]
+NASTY = [
+    "../x",
+    "/etc/passwd",
+    "a/../../b",
+    "..",
+    ".",
+    "",
+    "\x00",
+    "a\x00b",
+    "x" * 10_000,
+    "\udc80",
+    "C:\\con",
+    "🦀/" * 50,
+    "\n.snap",
+]
 
 
 def test_path_for_never_leaves_the_directory(tmp_path: Path) -> None:
@@ -123,8 +149,13 @@ def test_flipped_byte_is_quarantined_on_read(tmp_path: Path, where: str) -> None
         path = t.path_for("acme", "agent-1")
         with open(path, "rb") as f:
             header_bytes = disk.read_header(f).header_bytes
-        offset = {"prefix": 12, "header": 40, "tokens": header_bytes + 1,
-                  "middle": (header_bytes + path.stat().st_size) // 2, "last": -1}[where]
+        offset = {
+            "prefix": 12,
+            "header": 40,
+            "tokens": header_bytes + 1,
+            "middle": (header_bytes + path.stat().st_size) // 2,
+            "last": -1,
+        }[where]
         flip(path, offset)
         assert t.read("acme", "agent-1") is None
         assert errors == ["checksum"]
@@ -152,8 +183,12 @@ def test_bad_files_are_quarantined_at_start(tmp_path: Path, damage: str) -> None
         t.write(snap())
         t.write(snap("other"))
         path = t.path_for("acme", "agent-1")
-    expected = {"flip-header": "checksum", "truncate-payload": "truncated",
-                "misnamed": "format", "garbage": "format"}[damage]
+    expected = {
+        "flip-header": "checksum",
+        "truncate-payload": "truncated",
+        "misnamed": "format",
+        "garbage": "format",
+    }[damage]
     if damage == "flip-header":
         flip(path, 30)
     elif damage == "truncate-payload":
@@ -244,8 +279,9 @@ def test_snapshot_larger_than_the_budget(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fail_in", ["write", "fsync", "rename"])
-def test_enospc_keeps_the_old_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       fail_in: str) -> None:
+def test_enospc_keeps_the_old_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_in: str
+) -> None:
     errors = Errors()
     with tier(tmp_path, errors=errors) as t:
         old = snap(version=1)
@@ -330,8 +366,12 @@ def spawn(mode: str, directory: Path) -> subprocess.Popen[str]:
     fp = (FP.architecture, FP.num_layers, FP.num_kv_heads, FP.head_dim, FP.dtype, FP.weights_id)
     code = CHILD.format(tests=str(Path(__file__).parent), fp=fp)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", code, mode, str(directory)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, mode, str(directory)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def kill9(proc: subprocess.Popen[str]) -> None:

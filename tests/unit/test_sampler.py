@@ -44,7 +44,9 @@ def _draws(
     if mate is None:
         return sampler.sample(row.expand(n, -1), [params] * n, seeds, outputs)
     mixed = sampler.sample(
-        row.expand(2 * n, -1), [params, mate] * n, [s for s in seeds for _ in "ab"],
+        row.expand(2 * n, -1),
+        [params, mate] * n,
+        [s for s in seeds for _ in "ab"],
         [o for o in outputs for _ in "ab"],
     )
     return mixed[0::2]
@@ -200,8 +202,14 @@ def test_float32_noise_path_for_mps_samples_the_same_stream() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02,
-                       presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.9,
+            top_k=50,
+            min_p=0.02,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+        ),
         SamplingParams(temperature=1.0),  # no sort when alone; batch-mates force one
         SamplingParams(temperature=0.7, top_k=20),
     ],
@@ -211,8 +219,9 @@ def test_seeded_request_is_reproducible_alone_or_batched(params: SamplingParams)
     alone = _generate(Sampler(CPU), steps, params, seed=1234)
     batched = _generate(Sampler(CPU), steps, params, seed=1234, batch_sizes=(8, 3, 6, 8, 2))
     # Small chunks split the sampled rows of a step into several passes.
-    chunked = _generate(Sampler(CPU, chunk_elements=2 * 3000), steps, params, seed=1234,
-                        batch_sizes=(8, 5))
+    chunked = _generate(
+        Sampler(CPU, chunk_elements=2 * 3000), steps, params, seed=1234, batch_sizes=(8, 5)
+    )
     assert alone == batched == chunked
     assert len(set(alone)) > 1
 
@@ -240,7 +249,9 @@ def test_hash_stream_matches_documented_scheme() -> None:
     cases = [(0, 0), (1, 0), (1, 1), (2**40 + 5, 3), (-7, 9), (123456789, 1000)]
     logits = torch.zeros(len(cases), vocab)
     got = Sampler(CPU).sample(
-        logits, [SamplingParams()] * len(cases), [s for s, _ in cases],
+        logits,
+        [SamplingParams()] * len(cases),
+        [s for s, _ in cases],
         [[0] * step for _, step in cases],
     )
     assert got.tolist() == [expected_token(s, t) for s, t in cases]
@@ -312,8 +323,15 @@ def test_invalid_params_raise_value_error_naming_the_field(field: str, value: ob
 
 
 def test_boundary_params_are_accepted() -> None:
-    SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=1, presence_penalty=-2,
-                   frequency_penalty=2, seed=-(2**70))
+    SamplingParams(
+        temperature=0,
+        top_p=1,
+        top_k=-1,
+        min_p=1,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        seed=-(2**70),
+    )
     assert GREEDY.greedy and not SamplingParams().greedy
 
 
@@ -330,8 +348,11 @@ def test_half_precision_logits_give_the_same_tokens(dtype: torch.dtype) -> None:
 
 def test_no_host_readback_inside_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = _logits(6, 300, seed=9)
-    params = [GREEDY, SamplingParams(), SamplingParams(top_k=5, top_p=0.8, min_p=0.05,
-                                                       frequency_penalty=1.0)] * 2
+    params = [
+        GREEDY,
+        SamplingParams(),
+        SamplingParams(top_k=5, top_p=0.8, min_p=0.05, frequency_penalty=1.0),
+    ] * 2
 
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("host sync inside Sampler.sample")
@@ -348,8 +369,14 @@ def test_cpu_and_cuda_give_identical_seeded_samples() -> None:
     params = [
         GREEDY,
         SamplingParams(),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05,
-                       presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        ),
         SamplingParams(temperature=1.3, top_p=0.95),
     ] * 8
     n = len(params)

@@ -36,16 +36,26 @@ def random_bits_kv(fp: ModelFingerprint, num_tokens: int, seed: int = 0) -> list
     g = torch.Generator().manual_seed(seed)
     shape = (2, num_tokens, fp.num_kv_heads, fp.head_dim)
     nbytes = fp.torch_dtype.itemsize * 2 * num_tokens * fp.num_kv_heads * fp.head_dim
-    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-            .view(fp.torch_dtype).view(shape) for _ in range(fp.num_layers)]
+    return [
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        .view(fp.torch_dtype)
+        .view(shape)
+        for _ in range(fp.num_layers)
+    ]
 
 
-def make(fp: ModelFingerprint, num_tokens: int = 7, text: str = "def f(x):\n    return x",
-         seed: int = 0, num_kv_tokens: int | None = None) -> Snapshot:
+def make(
+    fp: ModelFingerprint,
+    num_tokens: int = 7,
+    text: str = "def f(x):\n    return x",
+    seed: int = 0,
+    num_kv_tokens: int | None = None,
+) -> Snapshot:
     T = num_tokens if num_kv_tokens is None else num_kv_tokens
     ids = [(i * 7919 + seed) % 50_000 for i in range(num_tokens)]
-    return Snapshot.create("tenant-a", "agent-7", fp, ids, text, random_bits_kv(fp, T, seed),
-                           created=1_700_000_000.25)
+    return Snapshot.create(
+        "tenant-a", "agent-7", fp, ids, text, random_bits_kv(fp, T, seed), created=1_700_000_000.25
+    )
 
 
 def assert_same(a: Snapshot, b: Snapshot) -> None:
@@ -130,14 +140,26 @@ def test_fingerprint_digest_is_stable() -> None:
     assert fp.digest() == dataclasses.replace(fp).digest()
     assert fp.digest() == "5c14f6926ce04bb30c3a6c7851768945fab281bde557cefc8e6dad496ca7ba4d"
     changes: list[tuple[str, Any]] = [
-        ("architecture", "Qwen2"), ("num_layers", 3), ("num_kv_heads", 8), ("head_dim", 128),
-        ("dtype", "float16"), ("weights_id", "abd")]
+        ("architecture", "Qwen2"),
+        ("num_layers", 3),
+        ("num_kv_heads", 8),
+        ("head_dim", 128),
+        ("dtype", "float16"),
+        ("weights_id", "abd"),
+    ]
     digests = {dataclasses.replace(fp, **{f: v}).digest() for f, v in changes}
     assert len(digests | {fp.digest()}) == 7
 
 
-@pytest.mark.parametrize("field,value", [("architecture", "Qwen2ForCausalLM"), ("num_layers", 4),
-                                         ("dtype", "float16"), ("weights_id", "sha256:other")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("architecture", "Qwen2ForCausalLM"),
+        ("num_layers", 4),
+        ("dtype", "float16"),
+        ("weights_id", "sha256:other"),
+    ],
+)
 def test_foreign_fingerprint_is_rejected(field: str, value: Any) -> None:
     fp = fingerprint()
     data = encode_snapshot(make(fp))
@@ -193,13 +215,16 @@ def test_future_version_is_refused_as_format() -> None:
     assert PREFIX_SIZE == 24
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda s: s.kv.pop(),                                       # a layer missing
-    lambda s: s.kv.__setitem__(0, s.kv[0].float()),             # wrong dtype
-    lambda s: s.kv.__setitem__(0, s.kv[0][:, :-1]),             # wrong length
-    lambda s: s.token_ids.append(1),                            # header/tokens disagree
-    lambda s: s.token_ids.__setitem__(0, -1),                   # not a token id
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s.kv.pop(),  # a layer missing
+        lambda s: s.kv.__setitem__(0, s.kv[0].float()),  # wrong dtype
+        lambda s: s.kv.__setitem__(0, s.kv[0][:, :-1]),  # wrong length
+        lambda s: s.token_ids.append(1),  # header/tokens disagree
+        lambda s: s.token_ids.__setitem__(0, -1),  # not a token id
+    ],
+)
 def test_malformed_snapshot_is_refused_before_writing(mutate) -> None:
     snap = make(fingerprint())
     mutate(snap)

@@ -1,0 +1,112 @@
+"""Write-behind persistence: one thread writes session snapshots off the request path.
+
+Triggers: demotion to RAM, `persist_every_tokens` new tokens at release, idleness longer
+than `persist_idle_s` (checked on a timer here), an explicit flush, and shutdown.
+
+Ordering: every snapshot carries the session's version (a pool-wide counter bumped on
+every change of its tokens/KV). `SnapshotOrder` serialises writes and refuses one older
+than what was last written for the key, so a slow write can never replace a newer
+snapshot or resurrect a dropped session.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+from ds4pool.kv.disk import DiskTier, DiskWriteError, SnapshotTooLargeError
+from ds4pool.kv.session import SessionKey
+from ds4pool.kv.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from ds4pool.kv.pool import SessionPool
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotOrder:
+    """Serialises disk writes and keeps, per key, the newest version written or dropped.
+
+    Lock order: the pool lock may be held when entering here; code holding this lock
+    never takes the pool lock."""
+
+    def __init__(self, disk: DiskTier) -> None:
+        self.disk = disk
+        self._lock = threading.Lock()
+        self._newest: dict[SessionKey, int] = {}
+
+    def write(self, snap: Snapshot, version: int) -> bool:
+        """Write unless a newer version of the key was written or dropped; True if written."""
+        with self._lock:
+            if self._newest.get(snap.key, -1) >= version:
+                return False
+            try:
+                self.disk.write(snap)
+            except (DiskWriteError, SnapshotTooLargeError) as exc:
+                log.warning("snapshot of a session not written: %s", exc)
+                return False  # counted by the disk tier's on_error
+            self._newest[snap.key] = version
+            return True
+
+    def drop(self, key: SessionKey, version: int) -> None:
+        with self._lock:
+            self._newest[key] = version
+            self.disk.delete(*key)
+
+
+class PersistWriter:
+    def __init__(self, pool: SessionPool, idle_s: float) -> None:
+        self.pool = pool
+        self.idle_s = idle_s
+        self._cond = threading.Condition()
+        self._queue: deque[SessionKey] = deque()
+        self._queued: set[SessionKey] = set()
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ds4pool-persist", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, key: SessionKey) -> None:
+        with self._cond:
+            if key not in self._queued:
+                self._queued.add(key)
+                self._queue.append(key)
+                self._cond.notify_all()
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued snapshot is written; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        tick = max(0.05, min(1.0, self.idle_s / 4)) if self.idle_s > 0 else 1.0
+        while True:
+            with self._cond:
+                if not self._queue and not self._stopping:
+                    self._cond.wait(tick)
+                if self._stopping and not self._queue:
+                    return
+                key = self._queue.popleft() if self._queue else None
+                if key is not None:
+                    self._queued.discard(key)
+                    self._busy = True
+            try:
+                if key is not None:
+                    self.pool.persist(key)
+                elif self.idle_s > 0:
+                    for idle in self.pool.idle_dirty_keys(self.idle_s):
+                        self.enqueue(idle)
+            except Exception:  # never let the writer die: log and carry on
+                log.exception("persist writer: unexpected error")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
