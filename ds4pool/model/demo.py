@@ -29,8 +29,11 @@ from ds4pool.model.llama import LlamaForCausalLM
 from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.tokenizer import Tokenizer
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 DEMO_SEED = 1234
+# Wide enough init that greedy output varies from token to token (at 0.02 a model this
+# small repeats one token forever, which would make batching tests unable to fail).
+DEMO_INIT_STD = 0.1
 
 # Hugging Face config.json fields (vocab, bos and eos are filled from the tokenizer).
 DEMO_CONFIG: dict[str, Any] = {
@@ -88,9 +91,9 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "ds4pool"
 
 
-def init_random_(model: LlamaForCausalLM, seed: int) -> None:
+def init_random_(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
     """Deterministic init, independent of parameter order: each tensor draws from its
-    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, 0.02)."""
+    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std)."""
     device = next(model.parameters()).device
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -100,7 +103,7 @@ def init_random_(model: LlamaForCausalLM, seed: int) -> None:
         else:
             digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
             gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
-            param.data.normal_(0.0, 0.02, generator=gen)
+            param.data.normal_(0.0, std, generator=gen)
 
 
 def _write_demo(directory: Path) -> None:
@@ -117,7 +120,7 @@ def _write_demo(directory: Path) -> None:
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     cfg = ModelConfig.from_hf(hf_config)
     model = build_empty(cfg, torch.device("cpu"), torch.float32)
-    init_random_(model, DEMO_SEED)
+    init_random_(model, DEMO_SEED, DEMO_INIT_STD)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 

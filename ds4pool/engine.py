@@ -1,0 +1,143 @@
+"""Engine: the model runner, the session pool, the scheduler and the decode worker, wired.
+
+Importable without the server stack (no litestar/uvicorn), so GPU tests need only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for
+from ds4pool.model.device import select_device, select_dtype
+from ds4pool.model.loader import LoadedModel, load_model
+from ds4pool.model.runner import ModelRunner
+from ds4pool.sched.queue import QueueConfig
+from ds4pool.sched.request import Request, RequestStream
+from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserver
+from ds4pool.sched.worker import Worker
+
+GB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "demo"
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_device_gb: float | None = None  # None: 2 GB on CPU/MPS, 85% of free memory on CUDA
+    kv_block_size: int = 16
+    kv_ram_gb: float = 4.0
+    kv_disk_dir: Path | None = None  # None: no disk tier (sessions do not survive restarts)
+    kv_disk_gb: float = 32.0
+    kv_persist_idle_s: float = 30.0
+    kv_persist_every_tokens: int = 4096
+    max_batch_tokens: int = 2048
+    max_batch_size: int = 64
+    coalesce_us: int = 0
+    no_batching: bool = False
+    max_waiting: int = 1024
+    max_waiting_per_tenant: int = 256
+    aging_s: float = 10.0
+    session_wait_s: float = 120.0
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    cache_dir: Path | None = None
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("kv_block_size", "max_batch_tokens", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_device_gb is not None and self.kv_device_gb <= 0:
+            raise ValueError("kv_device_gb must be > 0")
+        for name in ("kv_ram_gb", "kv_disk_gb", "coalesce_us", "kv_persist_idle_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+
+def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:
+    if cfg.kv_device_gb is not None:
+        return int(cfg.kv_device_gb * GB)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    return 2 * GB
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        *,
+        pool_observer: PoolObserver | None = None,
+        sched_observer: SchedulerObserver | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.cfg = cfg
+        if loaded is None:
+            device = select_device(cfg.device)
+            dtype = select_dtype(cfg.dtype, device)
+            loaded = load_model(
+                cfg.model, device, dtype, show_progress=cfg.show_progress, cache_dir=cfg.cache_dir
+            )
+        self.loaded = loaded
+        num_blocks = ModelRunner.blocks_for_bytes(
+            loaded, cfg.kv_block_size, device_kv_bytes(cfg, loaded.device)
+        )
+        self.runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.kv_block_size)
+        self.pool = SessionPool(
+            PoolConfig(
+                num_device_blocks=num_blocks,
+                block_size=cfg.kv_block_size,
+                ram_bytes=int(cfg.kv_ram_gb * GB),
+                disk_dir=cfg.kv_disk_dir,
+                disk_bytes=max(1, int(cfg.kv_disk_gb * GB)),
+                persist_idle_s=cfg.kv_persist_idle_s,
+                persist_every_tokens=cfg.kv_persist_every_tokens,
+                acquire_timeout_s=cfg.session_wait_s,
+            ),
+            self.runner.kv_caches,
+            fingerprint_for(loaded),
+            pool_observer,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_batch_size=cfg.max_batch_size,
+                serialized=cfg.no_batching,
+                session_wait_s=cfg.session_wait_s,
+                queue=QueueConfig(
+                    max_waiting=cfg.max_waiting,
+                    max_waiting_per_tenant=cfg.max_waiting_per_tenant,
+                    aging_s=cfg.aging_s,
+                    weights=dict(cfg.tenant_weights),
+                ),
+            ),
+            self.pool,
+            self.runner,
+            sched_observer,
+        )
+        self.worker = Worker(self.scheduler, cfg.coalesce_us)
+        self.worker.start()
+        self._closed = False
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
+        return self.loaded.tokenizer
+
+    def submit(self, req: Request) -> RequestStream:
+        return self.scheduler.submit(req)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop accepting, let running requests finish (cancel them after `timeout`),
+        stop the worker, flush sessions to disk."""
+        if self._closed:
+            return
+        self._closed = True
+        sched = self.scheduler
+        with sched.wakeup:
+            sched.accepting = False
+        self.worker.stop(timeout)
+        self.pool.close()

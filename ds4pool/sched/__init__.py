@@ -1,0 +1,1 @@
+"""Scheduling: a fair priority queue feeding one batched decode worker."""

@@ -1,0 +1,333 @@
+"""Stage 1 (enqueue) and stages 2 and 4 (build a step, write its results back).
+
+There is no prefill phase and no decode phase: every running request has
+`num_computed` catching up to `num_tokens` (prompt tokens, then each sampled token).
+A step takes one token from each request that is decoding, then prompt chunks of
+running and newly admitted requests, under `max_batch_tokens` and `max_batch_size`.
+
+Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
+running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ds4pool.errors import ContextLengthError, Ds4poolError, OutOfBlocksError
+from ds4pool.kv.pool import SessionPool
+from ds4pool.kv.session import SessionBusyError, Tier
+from ds4pool.model.runner import ModelRunner, SeqInput, StepOutput
+from ds4pool.sched.queue import FairQueue, QueueConfig
+from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
+from ds4pool.sched.seq import Seq
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 2048
+    max_batch_size: int = 64
+    serialized: bool = False  # --no-batching: one request at a time, one live session
+    session_wait_s: float = 120.0  # how long a request may wait for its busy session
+    queue: QueueConfig = field(default_factory=QueueConfig)
+
+
+class SchedulerObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def step(self, batch_size: int, num_tokens: int, seconds: float) -> None: ...
+
+    def admitted(self, queue_wait_s: float) -> None: ...
+
+    def token(self, seq: Seq, first: bool, seconds: float) -> None: ...
+
+    def finished(self, seq: Seq, reason: str) -> None: ...
+
+    def preempted(self) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+
+@dataclass
+class Step:
+    seqs: list[Seq]
+    inputs: list[SeqInput]
+    counts: list[int]  # tokens computed per seq
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        pool: SessionPool,
+        runner: ModelRunner,
+        observer: SchedulerObserver | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.runner = runner
+        self.tokenizer = runner.loaded.tokenizer
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.observer = observer or SchedulerObserver()
+        self.lock = threading.Lock()
+        self.wakeup = threading.Condition(self.lock)
+        self.queue = FairQueue(cfg.queue)
+        self.running: list[Seq] = []
+        self.accepting = True
+        self._max_running = 1 if cfg.serialized else cfg.max_batch_size
+
+    # ------------------------------------------------------------ stage 1: enqueue
+
+    def submit(self, req: Request) -> RequestStream:
+        """Queue a request; raises QueueFullError at once beyond the admission limits."""
+        if req.prompt_ids is None and req.prompt_text is None:
+            raise ValueError("a request needs prompt_ids or prompt_text")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        stream = RequestStream(req)
+        seq = Seq(req, stream)
+        with self.wakeup:
+            if not self.accepting:
+                raise QueueFullError("the server is shutting down", 5.0, "draining")
+            try:
+                self.queue.push(seq)
+            except QueueFullError as exc:
+                self.observer.rejected(exc.reason)
+                raise
+            self.wakeup.notify_all()
+        return stream
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.queue) > 0
+
+    # ------------------------------------------------------------ stage 2: build
+
+    def schedule(self) -> Step | None:
+        """Build the next step, or None if nothing can run now."""
+        self._drop_cancelled()
+        budget = self.cfg.max_batch_tokens
+        step = Step([], [], [])
+        # Decodes first (they keep their pace), then prompt chunks; higher priority first.
+        order = sorted(self.running, key=lambda s: (s.num_pending > 1, s.priority, s.arrival))
+        for seq in order:
+            if budget <= 0 or seq.state is not State.RUNNING:
+                continue
+            n = min(seq.num_pending, budget)
+            if self._reserve(seq, n, step):
+                self._add(step, seq, n)
+                budget -= n
+        self._admit(step, budget)
+        return step if step.seqs else None
+
+    def _reserve(self, seq: Seq, n: int, step: Step) -> bool:
+        """Blocks for n more tokens of seq; preempts lower-priority running requests
+        (their KV goes to RAM, they requeue and resume later without recomputation)."""
+        assert seq.session is not None
+        while True:
+            try:
+                self.pool.ensure_blocks(seq.session, seq.num_computed + n)
+                return True
+            except OutOfBlocksError as exc:
+                table = seq.session.block_table
+                assert table is not None
+                total = len(table.blocks) + table.blocks_needed(seq.num_computed + n)
+                if total > self.pool.blocks.num_blocks:  # can never fit: fail, don't loop
+                    self._finish(seq, "error", error=str(exc))
+                    return False
+                victims = [
+                    s
+                    for s in self.running
+                    if s is not seq
+                    and s not in step.seqs
+                    and s.state is State.RUNNING
+                    and (s.priority, -s.arrival) >= (seq.priority, -seq.arrival)
+                ]
+                if victims:
+                    self._preempt(max(victims, key=lambda s: (s.priority, -s.arrival)))
+                elif step.seqs or len(self.running) > 1:
+                    self._preempt(seq)  # wait for the others to finish
+                    return False
+                else:
+                    self._finish(seq, "error", error=str(exc))
+                    return False
+
+    def _preempt(self, seq: Seq) -> None:
+        assert seq.session is not None
+        self._sync_session(seq)
+        self.pool.demote(seq.session, Tier.RAM, "preempt")
+        seq.state = State.WAITING
+        self.running.remove(seq)
+        with self.lock:
+            self.queue.push(seq, force=True)
+        self.observer.preempted()
+
+    def _admit(self, step: Step, budget: int) -> None:
+        with self.lock:
+            candidates = list(self.queue.ordered())
+        now = time.monotonic()
+        for seq in candidates:
+            if budget <= 0 or len(self.running) >= self._max_running:
+                return
+            if seq.stream.cancelled or (seq.req.deadline and now > seq.req.deadline):
+                self._dequeue(seq)
+                self._finish(seq, "cancelled")
+                continue
+            try:
+                if not self._activate(seq, now):
+                    continue
+            except OutOfBlocksError:
+                if seq.session is not None and seq.admitted_at is None:
+                    self.pool.release(seq.session)  # it keeps its place in the queue
+                    seq.session = None
+                return
+            except (Ds4poolError, ValueError) as exc:
+                self._dequeue(seq)
+                self._finish(seq, "error", error=str(exc))
+                continue
+            self._dequeue(seq)
+            seq.state = State.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_pending, budget)
+            if self._reserve(seq, n, step):
+                self._add(step, seq, n)
+                budget -= n
+
+    def _activate(self, seq: Seq, now: float) -> bool:
+        """Acquire, match and restore the session of a waiting request. False if its
+        session is busy with another request (it stays queued, bounded in time)."""
+        if seq.session is None:
+            try:
+                seq.session = self.pool.acquire(seq.req.tenant, seq.req.session_id, timeout=0)
+            except SessionBusyError:
+                seq.blocked_since = seq.blocked_since or now
+                if now - seq.blocked_since > self.cfg.session_wait_s:
+                    raise
+                return False
+        if self.cfg.serialized:
+            for info in self.pool.list_sessions(tier="device"):
+                if (info.tenant, info.session_id) != seq.session.key and not info.in_flight:
+                    self.pool.evict(info.tenant, info.session_id, "ram")
+        if seq.admitted_at is None:
+            self._match(seq)
+            self.observer.admitted(now - seq.arrival)
+            seq.admitted_at = now
+        self.pool.restore(seq.session)
+        return True
+
+    def _match(self, seq: Seq) -> None:
+        s = seq.session
+        assert s is not None
+        seq.rollback_ids, seq.rollback_text = list(s.token_ids), s.text
+        req = seq.req
+        m = self.pool.match_prefix(
+            s,
+            prompt_ids=req.prompt_ids,
+            prompt_text=req.prompt_text,
+            tokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+        )
+        limit = self.runner.max_model_len
+        if len(m.token_ids) >= limit:
+            raise ContextLengthError(
+                f"prompt has {len(m.token_ids)} tokens; the model's context is {limit}"
+            )
+        if not m.token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.loaded.config.vocab_size
+        if min(m.token_ids) < 0 or max(m.token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq.prompt_ids, seq.num_reused, seq.num_computed = m.token_ids, m.num_reused, m.num_reused
+        seq.rollback_ids = seq.rollback_ids[: m.num_reused]
+        if m.num_reused < len(s.token_ids) or not m.via_text:
+            seq.rollback_text = ""
+        seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
+        seq.start_decoding(self.tokenizer)
+
+    def _dequeue(self, seq: Seq) -> None:
+        with self.lock:
+            self.queue.remove(seq)
+
+    def _add(self, step: Step, seq: Seq, n: int) -> None:
+        assert seq.session is not None and seq.session.block_table is not None
+        start = seq.num_computed
+        step.seqs.append(seq)
+        step.counts.append(n)
+        step.inputs.append(
+            SeqInput(
+                token_ids=seq.all_ids[start : start + n],
+                num_computed=start,
+                block_table=list(seq.session.block_table.blocks),
+                sample=start + n == seq.num_tokens,
+                sampling=seq.req.sampling,
+                seed=seq.seed,
+                output_token_ids=list(seq.output_ids),
+            )
+        )
+        with self.lock:
+            self.queue.charge(seq.tenant, n)
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for seq in list(self.running):
+            if seq.stream.cancelled or (seq.req.deadline and now > seq.req.deadline):
+                self._finish(seq, "cancelled")
+
+    # ------------------------------------------------------------ stage 4: writeback
+
+    def process(self, step: Step, out: StepOutput) -> None:
+        for seq, n, token in zip(step.seqs, step.counts, out.sampled):
+            seq.num_computed += n
+            if token is None:
+                continue
+            first = seq.first_token_at is None
+            prev = seq.last_token_at or seq.arrival
+            reason = seq.append(token, self.eos_ids)
+            assert seq.last_token_at is not None
+            self.observer.token(seq, first, seq.last_token_at - (seq.arrival if first else prev))
+            if reason:
+                self._finish(seq, reason, token_ids=(token,) if token not in self.eos_ids else ())
+            else:
+                seq.stream.push(seq.event((token,), None))
+
+    def fail(self, step: Step, exc: BaseException) -> None:
+        """The step raised: every request in it fails and its session goes back to the
+        state it had before the request (KV length == token count)."""
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        for seq in step.seqs:
+            if seq.state is State.RUNNING:
+                self._finish(seq, "error", error=f"inference step failed: {first}", rollback=True)
+
+    def _sync_session(self, seq: Seq) -> None:
+        assert seq.session is not None
+        # The text must stand exactly for the tokens: only when the prompt came as text.
+        text = ""
+        if seq.req.prompt_text is not None:
+            text = seq.req.prompt_text + self.tokenizer.decode(seq.output_ids)
+        self.pool.commit(seq.session, seq.all_ids, text, seq.num_computed)
+
+    def _finish(
+        self,
+        seq: Seq,
+        reason: str,
+        *,
+        error: str | None = None,
+        token_ids: tuple[int, ...] = (),
+        rollback: bool = False,
+    ) -> None:
+        if seq.session is not None:
+            if rollback:
+                n = len(seq.rollback_ids)
+                self.pool.commit(seq.session, seq.rollback_ids, seq.rollback_text, n)
+            elif seq.admitted_at is not None:
+                self._sync_session(seq)
+            self.pool.release(seq.session)
+            seq.session = None
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.state = State.FINISHED
+        if error is not None:
+            seq.stream.push(Event(finish_reason="error", error=error, usage=seq.usage()))
+        else:
+            ev = seq.event(token_ids, reason) if seq.decoder else Event(finish_reason=reason)
+            seq.stream.push(ev)
+        self.observer.finished(seq, reason)

@@ -1,0 +1,128 @@
+"""The scheduler's per-request state: tokens, progress, detokenization and stop handling.
+
+# all_ids = prompt_ids + output_ids
+# [0, num_reused)             KV reused from the session (prefix hit)
+# [num_reused, num_computed)  KV computed by this request so far
+# [num_computed, num_tokens)  still to compute (prompt chunks, or the last sampled token)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from ds4pool.kv.session import Session
+from ds4pool.model.tokenizer import IncrementalDecoder, Tokenizer
+from ds4pool.sched.request import Event, Request, RequestStream, State, Usage
+
+
+@dataclass
+class Seq:
+    req: Request
+    stream: RequestStream
+    state: State = State.WAITING
+    session: Session | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    num_reused: int = 0
+    num_computed: int = 0
+    max_tokens: int = 0
+    seed: int = 0
+    # the session as it was before this request: restored if a step fails
+    rollback_ids: list[int] = field(default_factory=list)
+    rollback_text: str = ""
+    decoder: IncrementalDecoder | None = None
+    text: str = ""  # generated text so far (all of it, stop strings included)
+    emitted: int = 0  # chars of `text` already sent to the stream
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    blocked_since: float | None = None  # waiting on a session busy with another request
+
+    def __post_init__(self) -> None:
+        seed = self.req.sampling.seed
+        self.seed = seed if seed is not None else random.getrandbits(63)
+
+    # the queue's protocol
+    @property
+    def tenant(self) -> str:
+        return self.req.tenant
+
+    @property
+    def priority(self) -> int:
+        return self.req.priority
+
+    @property
+    def arrival(self) -> float:
+        return self.req.arrival
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def start_decoding(self, tokenizer: Tokenizer) -> None:
+        self.decoder = IncrementalDecoder(tokenizer)
+
+    def append(self, token: int, eos_ids: frozenset[int]) -> str | None:
+        """Record a sampled token; return a finish reason if the request is done."""
+        now = time.monotonic()
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        if token in eos_ids and not self.req.ignore_eos:
+            return "stop"
+        self.output_ids.append(token)
+        assert self.decoder is not None
+        self.text += self.decoder.push(token)
+        if self._stop_at() is not None:
+            return "stop"
+        if len(self.output_ids) >= self.max_tokens:
+            return "length"
+        return None
+
+    def _stop_at(self) -> int | None:
+        """Index in `text` where the first stop string starts, if any."""
+        hits = [
+            i
+            for i in (self.text.find(s, max(0, self.emitted - len(s))) for s in self.req.stop)
+            if i >= 0
+        ]
+        return min(hits) if hits else None
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet emitted. While running, hold back a tail that could still become
+        a stop string; at the end, cut at the first stop string."""
+        if finished:
+            assert self.decoder is not None
+            self.text += self.decoder.flush()
+            cut = self._stop_at()
+            end = len(self.text) if cut is None else cut
+        else:
+            hold = max((len(s) - 1 for s in self.req.stop), default=0)
+            end = max(self.emitted, len(self.text) - hold)
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.num_reused,
+            completion_tokens=len(self.output_ids),
+        )
+
+    def event(self, token_ids: tuple[int, ...], finish: str | None) -> Event:
+        return Event(
+            text=self.delta(finish is not None),
+            token_ids=token_ids,
+            finish_reason=finish,
+            usage=self.usage() if finish else None,
+        )
