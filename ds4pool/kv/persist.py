@@ -40,8 +40,10 @@ class SnapshotOrder:
     def write(self, snap: Snapshot, version: int) -> bool:
         """Write unless a newer version of the key was written or dropped; True if written."""
         with self._lock:
-            if self._newest.get(snap.key, -1) >= version:
-                return False
+            newest = self._newest.get(snap.key, -1)
+            if newest >= version:
+                # versions are unique: equal means this exact state is already on disk
+                return newest == version
             try:
                 self.disk.write(snap)
             except (DiskWriteError, SnapshotTooLargeError) as exc:

@@ -235,10 +235,18 @@ class SessionPool:
             t0 = time.perf_counter()
             src = s.tier
             table = BlockTable(self.cfg.block_size)
-            self._make_room(table.blocks_needed(s.num_computed), exclude=s)
-            table.ensure(self.blocks, s.num_computed)
+            # Out of the RAM LRU first: making room pushes others into RAM, which must not
+            # push this session out to disk under our feet.
+            cached = self.ram.pop(s.key) is not None if src is Tier.RAM else False
+            try:
+                self._make_room(table.blocks_needed(s.num_computed), exclude=s)
+                table.ensure(self.blocks, s.num_computed)
+            except OutOfBlocksError:
+                if cached:
+                    assert s.host_kv is not None
+                    self.ram.put(s.key, s.host_kv)
+                raise
             if src is Tier.RAM:
-                self.ram.pop(s.key)  # absent if it was too large for the RAM budget
                 assert s.host_kv is not None
                 scatter_from_host(
                     self.kv_caches, s.host_kv, table.blocks, s.num_computed, self.cfg.block_size
@@ -334,6 +342,13 @@ class SessionPool:
             return
         s.host_kv = host
         self._to_disk(s, "ram_full")
+
+    def demote_all_but(self, keep: Session, reason: str) -> None:
+        """Demote every idle device session except `keep` to RAM (serialized mode)."""
+        with self._lock:
+            for s in list(self._sessions.values()):
+                if s is not keep and s.tier is Tier.DEVICE and not s.in_flight:
+                    self.demote(s, Tier.RAM, reason)
 
     def _on_disk_evict(self, entry: DiskEntry) -> None:
         # Called by the disk tier (outside its own lock) when it deleted a snapshot to stay
