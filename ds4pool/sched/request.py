@@ -52,7 +52,9 @@ class Event:
     """One item of a request's stream: a text delta, and at the end a finish reason.
 
     finish_reason: "stop" (eos or a stop string), "length" (max tokens or context),
-    "cancelled", or "error" (then `error` holds a one-line message).
+    "cancelled", or "error" (then `error` holds a one-line message and `error_type` says
+    whose fault: "invalid_request" (the request can never run: too long, bad ids),
+    "busy" (its session stayed busy too long), or "internal" (a failed step)).
     """
 
     text: str = ""
@@ -60,6 +62,8 @@ class Event:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    error_type: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
     @property
     def finished(self) -> bool:
@@ -81,6 +85,7 @@ class Request:
     ignore_eos: bool = False
     priority: int = 0  # lower runs first (vLLM's convention)
     deadline: float | None = None  # time.monotonic() after which it is cancelled
+    endpoint: str = "engine"  # the API route that made it (a bounded metrics label)
     request_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 

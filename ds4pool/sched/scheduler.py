@@ -89,6 +89,7 @@ class Scheduler:
         seq = Seq(req, stream)
         with self.wakeup:
             if not self.accepting:
+                self.observer.rejected("draining")
                 raise QueueFullError("the server is shutting down", 5.0, "draining")
             try:
                 self.queue.push(seq)
@@ -133,7 +134,7 @@ class Scheduler:
                 assert table is not None
                 total = len(table.blocks) + table.blocks_needed(seq.num_computed + n)
                 if total > self.pool.blocks.num_blocks:  # can never fit: fail, don't loop
-                    self._finish(seq, "error", error=str(exc))
+                    self._finish(seq, "error", error=str(exc), error_type="invalid_request")
                     return False
                 victims = [
                     s
@@ -149,7 +150,7 @@ class Scheduler:
                     self._preempt(seq)  # wait for the others to finish
                     return False
                 else:
-                    self._finish(seq, "error", error=str(exc))
+                    self._finish(seq, "error", error=str(exc), error_type="invalid_request")
                     return False
 
     def _preempt(self, seq: Seq) -> None:
@@ -181,9 +182,13 @@ class Scheduler:
                     self.pool.release(seq.session)  # it keeps its place in the queue
                     seq.session = None
                 return
+            except SessionBusyError as exc:
+                self._dequeue(seq)
+                self._finish(seq, "error", error=str(exc), error_type="busy")
+                continue
             except (Ds4poolError, ValueError) as exc:
                 self._dequeue(seq)
-                self._finish(seq, "error", error=str(exc))
+                self._finish(seq, "error", error=str(exc), error_type="invalid_request")
                 continue
             self._dequeue(seq)
             seq.state = State.RUNNING
@@ -205,9 +210,7 @@ class Scheduler:
                     raise
                 return False
         if self.cfg.serialized:
-            for info in self.pool.list_sessions(tier="device"):
-                if (info.tenant, info.session_id) != seq.session.key and not info.in_flight:
-                    self.pool.evict(info.tenant, info.session_id, "ram")
+            self.pool.demote_all_but(seq.session, "serialized")
         if seq.admitted_at is None:
             self._match(seq)
             self.observer.admitted(now - seq.arrival)
@@ -295,7 +298,18 @@ class Scheduler:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         for seq in step.seqs:
             if seq.state is State.RUNNING:
-                self._finish(seq, "error", error=f"inference step failed: {first}", rollback=True)
+                self._finish(
+                    seq,
+                    "error",
+                    error=f"inference step failed: {first}",
+                    error_type="internal",
+                    rollback=True,
+                )
+
+    def abort_running(self, exc: BaseException) -> None:
+        """Last resort after an unexpected error: fail every running request (sessions
+        rolled back) so that no client waits forever."""
+        self.fail(Step(list(self.running), [], []), exc)
 
     def _sync_session(self, seq: Seq) -> None:
         assert seq.session is not None
@@ -311,6 +325,7 @@ class Scheduler:
         reason: str,
         *,
         error: str | None = None,
+        error_type: str | None = None,
         token_ids: tuple[int, ...] = (),
         rollback: bool = False,
     ) -> None:
@@ -326,7 +341,9 @@ class Scheduler:
             self.running.remove(seq)
         seq.state = State.FINISHED
         if error is not None:
-            seq.stream.push(Event(finish_reason="error", error=error, usage=seq.usage()))
+            seq.stream.push(
+                Event(finish_reason="error", error=error, error_type=error_type, usage=seq.usage())
+            )
         else:
             ev = seq.event(token_ids, reason) if seq.decoder else Event(finish_reason=reason)
             seq.stream.push(ev)

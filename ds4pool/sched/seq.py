@@ -90,12 +90,17 @@ class Seq:
 
     def _stop_at(self) -> int | None:
         """Index in `text` where the first stop string starts, if any."""
-        hits = [
-            i
-            for i in (self.text.find(s, max(0, self.emitted - len(s))) for s in self.req.stop)
-            if i >= 0
+        hit = self._stop_hit()
+        return None if hit is None else hit[0]
+
+    def _stop_hit(self) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest stop string in `text`, if any."""
+        found = [
+            (i, s)
+            for s in self.req.stop
+            if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0
         ]
-        return min(hits) if hits else None
+        return min(found) if found else None
 
     def delta(self, finished: bool) -> str:
         """Text not yet emitted. While running, hold back a tail that could still become
@@ -120,9 +125,12 @@ class Seq:
         )
 
     def event(self, token_ids: tuple[int, ...], finish: str | None) -> Event:
+        text = self.delta(finish is not None)
+        hit = self._stop_hit() if finish == "stop" else None
         return Event(
-            text=self.delta(finish is not None),
+            text=text,
             token_ids=token_ids,
             finish_reason=finish,
             usage=self.usage() if finish else None,
+            stop_string=hit[1] if hit else None,
         )

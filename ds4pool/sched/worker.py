@@ -49,8 +49,9 @@ class Worker:
                 time.sleep(self.coalesce_s)  # let a burst of arrivals share the first step
             try:
                 self._step()
-            except Exception:  # a bug in scheduling must not kill the server
-                log.exception("worker: unexpected error while scheduling")
+            except Exception as exc:  # a bug must not kill the server nor hang its clients
+                log.exception("worker: unexpected error; failing the running requests")
+                sched.abort_running(exc)
                 time.sleep(0.01)
 
     def _step(self) -> None:
