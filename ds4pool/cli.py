@@ -45,6 +45,17 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens")
     gen.set_defaults(func=_cmd_generate)
+
+    from ds4pool.serve import add_engine_flags, add_server_flags
+
+    serve = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server")
+    add_engine_flags(serve)
+    add_server_flags(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    from ds4pool.sessions_cli import add_sessions_parser
+
+    add_sessions_parser(sub)
     return parser
 
 
@@ -52,6 +63,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ds4pool.model.generate_cli import run_generate
 
     return run_generate(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from ds4pool.serve import run_serve
+
+    return run_serve(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""The HTTP face: OpenAI- and Anthropic-compatible routes, sessions, admin, health."""

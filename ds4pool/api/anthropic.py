@@ -1,0 +1,261 @@
+"""Anthropic-compatible routes: POST /v1/messages (with streaming) and count_tokens."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request as HttpRequest
+from litestar import Response, post
+from litestar.response import Stream
+
+from ds4pool.api.common import (
+    SESSION_HEADER,
+    ApiState,
+    Generation,
+    api_state,
+    authenticate,
+    check_max_tokens,
+    collect,
+    finish,
+    priority_of,
+    sampling_from,
+    session_id_of,
+    sse,
+    start,
+)
+from ds4pool.api.errors import ApiError
+from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
+from ds4pool.sched.request import Event, Request
+
+
+def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for i, block in enumerate(blocks):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise ApiError(400, f"{where}[{i}]: only text blocks are supported here")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def to_chat(
+    system: str | list[dict[str, Any]] | None, messages: list[AnthropicMessage]
+) -> list[dict[str, Any]]:
+    """Anthropic messages → chat-template messages (system, user, assistant, tool)."""
+    if not messages:
+        raise ApiError(400, "messages: at least one message is required")
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": _text_of(system, "system")})
+    for i, m in enumerate(messages):
+        if m.role not in ("user", "assistant"):
+            raise ApiError(400, f"messages[{i}].role must be 'user' or 'assistant'")
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text, calls = [], []
+        for j, block in enumerate(m.content):
+            kind = block.get("type")
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind == "tool_use" and m.role == "assistant":
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": block.get("name"),
+                            "arguments": block.get("input", {}),
+                        },
+                    }
+                )
+            elif kind == "tool_result" and m.role == "user":
+                content = block.get("content", "")
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id"),
+                        "content": _text_of(content, f"messages[{i}].content[{j}].content")
+                        if isinstance(content, (str, list))
+                        else str(content),
+                    }
+                )
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier reasoning is not re-fed to the model
+            else:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content[{j}]: block type {kind!r} is not "
+                    f"supported for role {m.role!r}",
+                )
+        if text or calls or m.role == "assistant":
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions → the OpenAI-style shape chat templates expect."""
+    if not tools:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.get("name"),
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema", {}),
+            },
+        }
+        for t in tools
+    ]
+
+
+def _render(
+    state: ApiState,
+    system: Any,
+    messages: list[AnthropicMessage],
+    tools: list[dict[str, Any]] | None,
+) -> str:
+    engine = state.ready_engine()
+    return engine.tokenizer.apply_chat_template(
+        to_chat(system, messages), add_generation_prompt=True, tools=_tools(tools)
+    )
+
+
+@post("/v1/messages/count_tokens", status_code=200)
+async def count_tokens(request: HttpRequest, data: CountTokensRequest) -> dict[str, int]:
+    state = api_state(request)
+    authenticate(request, state)
+    text = _render(state, data.system, data.messages, data.tools)
+    ids = state.ready_engine().tokenizer.encode(text, add_special_tokens=False)
+    return {"input_tokens": len(ids)}
+
+
+def _stop_reason(final: Event) -> tuple[str, str | None]:
+    if final.finish_reason == "length":
+        return "max_tokens", None
+    if final.stop_string is not None:
+        return "stop_sequence", final.stop_string
+    return "end_turn", None
+
+
+def _usage(final: Event) -> dict[str, int]:
+    u = final.usage
+    assert u is not None
+    # Anthropic counts cache reads apart from input_tokens
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": u.completion_tokens,
+    }
+
+
+@post("/v1/messages", status_code=200)
+async def messages(request: HttpRequest, data: MessagesRequest) -> Response | Stream:
+    state = api_state(request)
+    tenant = authenticate(request, state)
+    engine = state.ready_engine()
+    if data.temperature is not None and not 0.0 <= data.temperature <= 1.0:
+        raise ApiError(400, "temperature must be in [0, 1]")
+    stops = tuple(data.stop_sequences or ())
+    if any(not s for s in stops):
+        raise ApiError(400, "stop_sequences must be non-empty strings")
+    req = Request(
+        tenant=tenant.name,
+        session_id=session_id_of(request),
+        prompt_text=_render(state, data.system, data.messages, data.tools),
+        sampling=sampling_from(temperature=data.temperature, top_p=data.top_p, top_k=data.top_k),
+        max_tokens=check_max_tokens(data.max_tokens, engine, "max_tokens"),
+        stop=stops,
+        priority=priority_of(request, data.priority, tenant),
+        endpoint="messages",
+    )
+    gen = await start(request, state, req, tenant)
+    mid = f"msg_{uuid.uuid4().hex}"
+    headers = {SESSION_HEADER: req.session_id} if req.session_id else {}
+    if data.stream:
+        return Stream(_events(state, gen, mid), media_type="text/event-stream", headers=headers)
+    text, final = await collect(gen)
+    finish(state, gen, final)
+    if final.error:
+        raise ApiError(500, "inference failed; see the server log")
+    reason, seq = _stop_reason(final)
+    body = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": state.model_name,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": _usage(final),
+    }
+    return Response(body, headers=headers)
+
+
+async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[bytes]:
+    def event(name: str, payload: dict[str, Any]) -> bytes:
+        return sse(json.dumps({"type": name, **payload}), event=name)
+
+    final: Event | None = None
+    assert gen.first is not None
+    first_usage = {"input_tokens": 0, "output_tokens": 0}
+    try:
+        yield event(
+            "message_start",
+            {
+                "message": {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": state.model_name,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": first_usage,
+                }
+            },
+        )
+        yield event(
+            "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+        )
+        yield event("ping", {})
+        async for ev in _chain([gen.first], gen):
+            if ev.text:
+                yield event(
+                    "content_block_delta",
+                    {"index": 0, "delta": {"type": "text_delta", "text": ev.text}},
+                )
+            if ev.finished:
+                final = ev
+                break
+        assert final is not None
+        if final.error:
+            yield event("error", {"error": {"type": "api_error", "message": "inference failed"}})
+            return
+        yield event("content_block_stop", {"index": 0})
+        reason, seq = _stop_reason(final)
+        yield event(
+            "message_delta",
+            {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": _usage(final)},
+        )
+        yield event("message_stop", {})
+    finally:
+        finish(state, gen, final)
+
+
+async def _chain(first: list[Event], gen: Generation) -> AsyncIterator[Event]:
+    for ev in first:
+        yield ev
+        if ev.finished:
+            return
+    async for ev in gen.events:
+        yield ev

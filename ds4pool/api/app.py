@@ -1,0 +1,128 @@
+"""The Litestar application: routes, error handlers, and the engine's lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from litestar import Litestar, Response, get
+from litestar import Request as HttpRequest
+from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
+
+from ds4pool import __version__
+from ds4pool.api import anthropic, openai
+from ds4pool.api.common import ApiState, api_state
+from ds4pool.api.config import ServerConfig
+from ds4pool.api.errors import handle_exception
+from ds4pool.api.sessions import admin_router, end_own_session, own_sessions, require_admin
+from ds4pool.engine import Engine
+
+log = logging.getLogger("ds4pool.api")
+
+
+@get("/health")
+async def health() -> dict[str, str]:
+    """Liveness: the process serves HTTP."""
+    return {"status": "ok"}
+
+
+@get("/ready")
+async def ready(request: HttpRequest) -> Response:
+    """Readiness: the model is loaded and the server is not draining."""
+    state = api_state(request)
+    ok = state.engine is not None and not state.draining
+    status = "ready" if ok else ("draining" if state.draining else "loading")
+    return Response({"status": status}, status_code=200 if ok else 503)
+
+
+@get("/metrics", media_type="text/plain; version=0.0.4; charset=utf-8")
+async def metrics_endpoint(request: HttpRequest) -> Response:
+    state = api_state(request)
+    if state.cfg.metrics_auth:
+        require_admin(request)
+    if state.metrics is None:
+        return Response(b"", media_type="text/plain")
+    # render takes the pool lock, which a demotion may hold during a snapshot write
+    body, content_type = await anyio.to_thread.run_sync(state.metrics.render, state.engine)
+    return Response(body, media_type=content_type.removesuffix("; charset=utf-8"))
+
+
+def startup_summary(state: ApiState, engine: Engine) -> str:
+    cfg, loaded, usage = state.cfg, engine.loaded, engine.pool.usage()
+    gb = 1 << 30
+    disk = (
+        f"{usage.disk_budget_bytes / gb:.1f} GB in {cfg.engine.kv_disk_dir}"
+        if (cfg.engine.kv_disk_dir)
+        else "off"
+    )
+    return (
+        f"ds4pool {__version__}: model {state.model_name} ({loaded.config.architecture}) on "
+        f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}; KV device "
+        f"{engine.runner.kv_bytes / gb:.2f} GB ({engine.runner.num_blocks} blocks of "
+        f"{engine.runner.block_size}), RAM {usage.ram_budget_bytes / gb:.1f} GB, disk {disk}; "
+        f"batching {'off' if cfg.engine.no_batching else 'on'}; auth "
+        f"{'on' if cfg.auth_enabled else 'off'}; admin {'on' if cfg.admin_token else 'off'}"
+    )
+
+
+def build_engine(cfg: ServerConfig, metrics: Any) -> Engine:
+    return Engine(
+        cfg.engine,
+        pool_observer=metrics.pool_observer() if metrics else None,
+        sched_observer=metrics.scheduler_observer() if metrics else None,
+    )
+
+
+def create_app(
+    cfg: ServerConfig,
+    engine: Engine | None = None,
+    *,
+    metrics: Any = None,
+    own_engine: bool = True,
+) -> Litestar:
+    """Build the app. Without `engine`, the lifespan loads one (the server is live but not
+    ready meanwhile). The engine is closed at shutdown when `own_engine`."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        state: ApiState = app.state.api
+        state.metrics = metrics
+        if engine is None:
+            state.engine = await anyio.to_thread.run_sync(build_engine, cfg, metrics)
+        else:
+            state.engine = engine
+        log.info("%s", startup_summary(state, state.engine))
+        try:
+            yield
+        finally:
+            state.draining = True
+            if own_engine and state.engine is not None:
+                log.info("shutting down: finishing requests and flushing sessions to disk")
+                await anyio.to_thread.run_sync(state.engine.close)
+
+    state = ApiState(cfg=cfg, model_name=cfg.served_model_name or cfg.engine.model)
+    return Litestar(
+        route_handlers=[
+            health,
+            ready,
+            metrics_endpoint,
+            openai.list_models,
+            openai.chat_completions,
+            openai.completions,
+            anthropic.messages,
+            anthropic.count_tokens,
+            own_sessions,
+            end_own_session,
+            admin_router,
+        ],
+        lifespan=[lifespan],
+        state=State({"api": state}),
+        exception_handlers={Exception: handle_exception},
+        request_max_body_size=int(cfg.max_body_mb * (1 << 20)),
+        openapi_config=OpenAPIConfig(title="ds4pool", version=__version__),
+        debug=False,
+    )

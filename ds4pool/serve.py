@@ -1,0 +1,214 @@
+"""`ds4pool serve`: flags (each also read from a DS4POOL_* environment variable) → the app
+on uvicorn. Flag parsing lives here so `cli.py` stays a thin dispatcher."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ds4pool.errors import Ds4poolError
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def env_default(dest: str, fallback: Any) -> Any:
+    """DS4POOL_<DEST> overrides a flag's default; argparse converts it with the flag's type."""
+    return os.environ.get(f"DS4POOL_{dest.upper()}", fallback)
+
+
+def _flag(p: argparse.ArgumentParser, name: str, **kw: Any) -> None:
+    dest = name.lstrip("-").replace("-", "_")
+    if kw.get("action") == "store_true":
+        kw["default"] = str(env_default(dest, "")).lower() in _TRUE
+    elif kw.get("action") == "append":
+        raw = env_default(dest, None)
+        kw["default"] = [v for v in raw.split(",") if v] if raw else []
+    else:
+        kw["default"] = env_default(dest, kw.get("default"))
+    env = f"DS4POOL_{dest.upper()}"
+    kw["help"] = f"{kw.get('help', '')} [env {env}]".strip()
+    p.add_argument(name, **kw)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    _flag(
+        g,
+        "--model",
+        default="demo",
+        help="'demo', 'random:100m', 'random:llama3-8b' or a local HF model directory",
+    )
+    _flag(g, "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda[:N], mps")
+    _flag(g, "--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    _flag(g, "--max-batch-tokens", type=int, default=2048, help="token budget per step")
+    _flag(g, "--max-batch-size", type=int, default=64, help="sequences per step")
+    _flag(
+        g,
+        "--coalesce-us",
+        type=int,
+        default=0,
+        help="after idle, wait this long for more work before a step (0: off)",
+    )
+    _flag(
+        g,
+        "--no-batching",
+        action="store_true",
+        help="one request at a time, one live session (the serialized baseline)",
+    )
+    k = p.add_argument_group("session pool")
+    _flag(
+        k,
+        "--kv-device-gb",
+        type=float,
+        default=None,
+        help="device KV pool (default: 85%% of free GPU memory, 2 GB on CPU)",
+    )
+    _flag(k, "--kv-block-size", type=int, default=16, help="tokens per KV block")
+    _flag(k, "--kv-ram-gb", type=float, default=4.0, help="RAM tier budget")
+    _flag(
+        k,
+        "--kv-disk-dir",
+        type=Path,
+        default=None,
+        help="disk tier directory (sessions survive restarts); default: none",
+    )
+    _flag(k, "--kv-disk-gb", type=float, default=32.0, help="disk tier budget")
+    _flag(
+        k,
+        "--kv-persist-idle-s",
+        type=float,
+        default=30.0,
+        help="persist a session idle this long (0: off)",
+    )
+    _flag(
+        k,
+        "--kv-persist-every-tokens",
+        type=int,
+        default=4096,
+        help="persist a session every N new tokens (0: off)",
+    )
+    q = p.add_argument_group("queue")
+    _flag(q, "--max-waiting", type=int, default=1024, help="waiting requests, all tenants")
+    _flag(q, "--max-waiting-per-tenant", type=int, default=256, help="waiting per tenant")
+    _flag(
+        q,
+        "--aging-s",
+        type=float,
+        default=10.0,
+        help="waiting this long lifts a request one priority level",
+    )
+    _flag(
+        q,
+        "--session-wait-s",
+        type=float,
+        default=120.0,
+        help="how long a request waits for its busy session",
+    )
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("server")
+    _flag(s, "--host", default="127.0.0.1")
+    _flag(s, "--port", type=int, default=8000)
+    _flag(
+        s,
+        "--api-key",
+        action="append",
+        help="an API key; each is its own tenant (repeatable; env: comma-separated)",
+    )
+    _flag(
+        s,
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help='JSON {"KEY": {"tenant": ..., "priority": 0, "weight": 1, "max_concurrent": 0}}',
+    )
+    _flag(s, "--admin-token", default=None, help="bearer token for /admin (off when unset)")
+    _flag(s, "--metrics-auth", action="store_true", help="/metrics requires the admin token")
+    _flag(s, "--max-body-mb", type=float, default=16.0, help="largest request body")
+    _flag(s, "--served-model-name", default=None, help="model id reported by /v1/models")
+    _flag(
+        s,
+        "--request-timeout-s",
+        type=float,
+        default=0.0,
+        help="cancel requests running longer (0: no limit)",
+    )
+    _flag(s, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
+    from ds4pool.api.config import ServerConfig, api_keys_from
+    from ds4pool.engine import EngineConfig
+
+    keys = api_keys_from(args.api_key, args.api_keys_file)
+    try:
+        engine = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            kv_device_gb=args.kv_device_gb,
+            kv_block_size=args.kv_block_size,
+            kv_ram_gb=args.kv_ram_gb,
+            kv_disk_dir=args.kv_disk_dir,
+            kv_disk_gb=args.kv_disk_gb,
+            kv_persist_idle_s=args.kv_persist_idle_s,
+            kv_persist_every_tokens=args.kv_persist_every_tokens,
+            max_batch_tokens=args.max_batch_tokens,
+            max_batch_size=args.max_batch_size,
+            coalesce_us=args.coalesce_us,
+            no_batching=args.no_batching,
+            max_waiting=args.max_waiting,
+            max_waiting_per_tenant=args.max_waiting_per_tenant,
+            aging_s=args.aging_s,
+            session_wait_s=args.session_wait_s,
+            tenant_weights={t.name: t.weight for t in keys.values()},
+            show_progress=True,
+        )
+    except ValueError as exc:
+        raise Ds4poolError(str(exc)) from None
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        api_keys=keys,
+        admin_token=args.admin_token or None,
+        metrics_auth=args.metrics_auth,
+        max_body_mb=args.max_body_mb,
+        served_model_name=args.served_model_name,
+        request_timeout_s=args.request_timeout_s,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ds4pool.api.app import build_engine, create_app
+
+    cfg = build_config(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    metrics = _metrics(cfg)
+    # Load the model before binding the port: a bad --model fails with one line, and
+    # the port only answers once the server can serve.
+    engine = build_engine(cfg, metrics)
+    app = create_app(cfg, engine, metrics=metrics, own_engine=True)
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=30,
+        access_log=False,
+    )
+    return 0
+
+
+def _metrics(cfg: Any) -> Any:
+    from ds4pool.metrics import Metrics
+
+    return Metrics()

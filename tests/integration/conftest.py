@@ -1,0 +1,66 @@
+"""A real uvicorn server on loopback, serving the demo model, for the official SDKs."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+
+from ds4pool.api.app import create_app
+from ds4pool.api.config import ServerConfig
+from ds4pool.engine import Engine, EngineConfig
+from ds4pool.model.loader import LoadedModel, load_model
+
+
+@dataclass
+class Server:
+    url: str
+    engine: Engine
+    cfg: ServerConfig
+
+
+@pytest.fixture(scope="session")
+def loaded(demo_dir: Path) -> LoadedModel:
+    return load_model(str(demo_dir), torch.device("cpu"), torch.float32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def serve(loaded: LoadedModel) -> Iterator[Callable[..., Server]]:
+    """Start servers (one per distinct config in a module); all stopped at module end."""
+    running: list[tuple[uvicorn.Server, threading.Thread, Engine]] = []
+
+    def start(engine_kw: dict | None = None, **server_kw: object) -> Server:
+        engine_cfg = EngineConfig(**{"kv_device_gb": 0.05, **(engine_kw or {})})
+        engine = Engine(engine_cfg, loaded=loaded)
+        cfg = ServerConfig(engine=engine_cfg, port=free_port(), **server_kw)  # type: ignore[arg-type]
+        app = create_app(cfg, engine, own_engine=False)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        running.append((server, thread, engine))
+        return Server(f"http://127.0.0.1:{cfg.port}", engine, cfg)
+
+    yield start
+    for server, thread, engine in running:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.close()
