@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             aging_s=args.aging_s,
             session_wait_s=args.session_wait_s,
             tenant_weights={t.name: t.weight for t in keys.values()},
-            show_progress=True,
+            show_progress=sys.stderr.isatty(),
         )
     except ValueError as exc:
         raise Ds4poolError(str(exc)) from None

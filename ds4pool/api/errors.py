@@ -101,6 +101,8 @@ def to_api_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, ChatTemplateError):
         return ApiError(400, str(exc), param="messages", code="chat_template_error")
+    if isinstance(exc, RecursionError):  # msgspec on absurdly deep JSON
+        return ApiError(400, "request body is nested too deeply")
     if isinstance(exc, (Ds4poolError, ValueError)):
         return ApiError(400, str(exc).splitlines()[0] if str(exc) else "invalid request")
     log.error("unhandled error", exc_info=exc)
