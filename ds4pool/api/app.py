@@ -124,5 +124,6 @@ def create_app(
         exception_handlers={Exception: handle_exception},
         request_max_body_size=int(cfg.max_body_mb * (1 << 20)),
         openapi_config=OpenAPIConfig(title="ds4pool", version=__version__),
+        logging_config=None,  # `ds4pool serve` configures logging (--log-level)
         debug=False,
     )

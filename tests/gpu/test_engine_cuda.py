@@ -40,10 +40,12 @@ def run(e: Engine, reqs: list[Request]) -> list[list[int]]:
 
 
 def test_batched_equals_solo_on_cuda(loaded: LoadedModel) -> None:
-    reqs = lambda tag: [
-        Request(session_id=f"{tag}{i}", prompt_text=p, max_tokens=16)  # noqa: E731
-        for i, p in enumerate(prompts(loaded, 16))
-    ]
+    def reqs(tag: str) -> list[Request]:
+        return [
+            Request(session_id=f"{tag}{k}", prompt_text=p, max_tokens=16)
+            for k, p in enumerate(prompts(loaded, 16))
+        ]
+
     solo_engine = Engine(EngineConfig(kv_device_gb=0.2, max_batch_size=1), loaded=loaded)
     try:
         solo = [run(solo_engine, [r])[0] for r in reqs("a")]
