@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import time
 from collections.abc import Callable
 
 import httpx
@@ -161,3 +163,19 @@ def test_server_is_healthy_afterwards(server: Server) -> None:
     r = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     server.engine.pool.check_integrity()
+
+
+def test_queue_full_is_429_with_retry_after(serve: Callable[..., Server]) -> None:
+    small = serve(engine_kw={"max_waiting": 1, "max_batch_size": 1})
+    body = {"messages": USER, "max_tokens": 2}
+    with cf.ThreadPoolExecutor(4) as ex:
+        with small.engine.worker.engine_lock:  # the device is busy: nothing leaves the queue
+            futures = [ex.submit(post, small, "/v1/chat/completions", body) for _ in range(4)]
+            time.sleep(1.0)  # one running, one waiting, the rest refused at once
+            done = [f.result() for f in futures if f.done()]
+        rest = [f.result() for f in futures]  # the device is free again: these complete
+    refused = [r for r in done if r.status_code == 429]
+    assert refused, [r.status_code for r in done]
+    assert int(refused[0].headers["retry-after"]) >= 1
+    assert refused[0].json()["error"]["type"] == "rate_limit_error"
+    assert sum(r.status_code == 200 for r in rest) == 4 - len(refused)
