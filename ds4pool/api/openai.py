@@ -143,6 +143,19 @@ def _usage(final: Event) -> dict[str, Any]:
     }
 
 
+def _usage_chunk(state: ApiState, rid: str, kind: str, created: int, final: Event) -> bytes:
+    """The last chunk of a stream with stream_options.include_usage: no choices, usage."""
+    body = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": state.model_name,
+        "choices": [],
+        "usage": _usage(final),
+    }
+    return sse(json.dumps(body))
+
+
 def _finish_reason(final: Event) -> str:
     return "length" if final.finish_reason == "length" else "stop"
 
@@ -245,18 +258,7 @@ async def _chat_chunks(
         else:
             yield chunk({}, _finish_reason(final))
             if include_usage:
-                yield sse(
-                    json.dumps(
-                        {
-                            "id": rid,
-                            "object": "chat.completion.chunk",
-                            "created": created,
-                            "model": state.model_name,
-                            "choices": [],
-                            "usage": _usage(final),
-                        }
-                    )
-                )
+                yield _usage_chunk(state, rid, "chat.completion.chunk", created, final)
         yield sse("[DONE]")
     finally:
         finish(state, gen, final)
@@ -347,18 +349,7 @@ async def _completion_chunks(
             if event.text:
                 yield chunk(event.text, None)
         if final is not None and include_usage and not final.error:
-            yield sse(
-                json.dumps(
-                    {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": state.model_name,
-                        "choices": [],
-                        "usage": _usage(final),
-                    }
-                )
-            )
+            yield _usage_chunk(state, rid, "text_completion", created, final)
         yield sse("[DONE]")
     finally:
         finish(state, gen, final)
