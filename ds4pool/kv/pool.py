@@ -32,7 +32,7 @@ from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.disk import DiskEntry, DiskTier
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
-from ds4pool.kv.ram import RamTier, nbytes
+from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import (
     PrefixMatch,
     Session,
@@ -170,6 +170,8 @@ class SessionPool:
         with self._cond:
             s.in_flight = False
             s.last_used = time.time()
+            if s.tier is Tier.RAM and s.key not in self.ram and not s.ephemeral:
+                self._file_in_ram(s)  # read from disk, then the request ended before restore
             if s.ephemeral:
                 self._discard(s)
             elif (
@@ -179,6 +181,17 @@ class SessionPool:
             ):
                 self.writer.enqueue(s.key)
             self._cond.notify_all()
+
+    def _file_in_ram(self, s: Session) -> None:
+        assert s.host_kv is not None
+        came_from = "disk" if s.disk_read_s is not None else "ram"
+        s.disk_read_s = None
+        if self.ram.fits(nbytes(s.host_kv)):
+            self.ram.put(s.key, s.host_kv)
+            if came_from == "disk":
+                self.observer.session_moved("disk", "ram", "restore")
+        else:
+            self._to_disk(s, "ram_full")
 
     def match_prefix(
         self,
@@ -234,6 +247,7 @@ class SessionPool:
                 return
             t0 = time.perf_counter()
             src = s.tier
+            came_from = Tier.DISK if s.disk_read_s is not None else src
             table = BlockTable(self.cfg.block_size)
             # Out of the RAM LRU first: making room pushes others into RAM, which must not
             # push this session out to disk under our feet.
@@ -253,9 +267,11 @@ class SessionPool:
                 )
             s.host_kv = None
             s.block_table, s.tier = table, Tier.DEVICE
-            if src is not Tier.NONE:
-                self.observer.restored(src.value, time.perf_counter() - t0)
-                self.observer.session_moved(src.value, Tier.DEVICE.value, "restore")
+            if came_from is not Tier.NONE:
+                seconds = time.perf_counter() - t0 + (s.disk_read_s or 0.0)
+                self.observer.restored(came_from.value, seconds)
+                self.observer.session_moved(came_from.value, Tier.DEVICE.value, "restore")
+            s.disk_read_s = None
 
     def ensure_blocks(self, s: Session, num_tokens: int) -> None:
         """Give a device session room for num_tokens tokens of KV, demoting idle sessions
@@ -420,12 +436,14 @@ class SessionPool:
         if n < snap.header.num_kv_tokens:  # truncated while on disk: the text no longer fits
             s.token_ids, s.text = s.token_ids[:n], ""
         s.num_computed = n
-        s.host_kv = torch.stack(kv)
-        s.tier = Tier.RAM
-        self.observer.session_moved("disk", "ram", "restore")
-        if self.ram.fits(nbytes(s.host_kv)):
-            self.ram.put(s.key, s.host_kv)
-        self.observer.restored("disk", time.perf_counter() - t0)
+        first = kv[0]
+        host = host_buffer((len(kv), *first.shape), first.dtype, self.kv_caches[0].device)
+        for layer, src in enumerate(kv):
+            host[layer].copy_(src)
+        # Held by the in-flight session only (not the RAM LRU): restore() moves it to the
+        # device next; release() files it in RAM if no restore came.
+        s.host_kv, s.tier = host, Tier.RAM
+        s.disk_read_s = time.perf_counter() - t0
 
     def _snapshot(self, s: Session, host: torch.Tensor) -> Snapshot:
         return Snapshot.create(

@@ -79,6 +79,7 @@ class Session:
     version: int = 0  # bumped (pool-wide counter) whenever tokens or KV change
     persisted_version: int = -1  # version of the newest snapshot on disk (-1 = none)
     loaded: bool = True  # False: only the disk index knows it; tokens/text not read yet
+    disk_read_s: float | None = None  # set while KV read from disk awaits restore()
 
     @property
     def key(self) -> SessionKey:
