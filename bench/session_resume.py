@@ -28,11 +28,13 @@ says, with the pool's own admin path (`evict(..., "ram" | "disk")`):
 - re-prefill: the session is dropped and the whole prompt is computed from scratch, which
   is what a single-slot server does when it switches sessions.
 
-Restore seconds come from the pool's observer hook `restored(tier, seconds)`. A disk
-restore reports two events: "disk" (snapshot read + decode into RAM, inside match_prefix)
-and then "ram" (host → device blocks, inside restore). Restore MB/s is the session's KV
-bytes (10^6 bytes per MB) divided by the sum of both. Evict seconds (the demotion before
-the turn, not part of TTFT) are shown for reference. Each resume row is the median of
+Restore seconds come from the pool's observer hook `restored(tier, seconds)`: one "ram"
+event for a RAM restore, one "disk" event for a disk restore (snapshot read and decode plus
+the copy into the device blocks; before the pool merged them a disk restore reported a
+"disk" and a "ram" event, and the two split columns come from that). Restore MB/s is the
+session's KV bytes (10^6 bytes per MB) divided by the restore seconds. Evict seconds (the
+demotion before the turn, not part of TTFT) are shown for reference. Each resume row is the
+median of
 --repeats turns, run interleaved (one turn of every row per round) so that a burst of load
 from elsewhere does not land on one row; the re-prefill row is the median of
 --prefill-repeats, the first before the resume rows, the rest after (slow on CPU). The header
