@@ -63,10 +63,14 @@ def is_anthropic(path: str) -> bool:
 
 def error_response(path: str, err: ApiError) -> Response:
     if is_anthropic(path):
-        kind = ANTHROPIC_TYPES.get(err.status, "api_error")
+        kind = ANTHROPIC_TYPES.get(
+            err.status, "invalid_request_error" if err.status < 500 else "api_error"
+        )
         body: dict = {"type": "error", "error": {"type": kind, "message": err.message}}
     else:
-        kind = OPENAI_TYPES.get(err.status, "server_error")
+        kind = OPENAI_TYPES.get(
+            err.status, "invalid_request_error" if err.status < 500 else "server_error"
+        )
         body = {
             "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}
         }
@@ -83,6 +87,10 @@ def to_api_error(exc: Exception) -> ApiError:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 413:
             detail = "request body is too large"
+        if exc.status_code == 500 and detail == "client disconnected prematurely":
+            # litestar's error when the client hangs up while sending its body: nobody reads
+            # this response, and it is no server error (nginx's 499: client closed request)
+            return ApiError(499, "the client closed the connection before sending its body")
         return ApiError(exc.status_code, detail, headers=dict(exc.headers or {}))
     if isinstance(exc, QueueFullError):
         return ApiError(

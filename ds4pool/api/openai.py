@@ -169,6 +169,11 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
     messages = [_message(m, i) for i, m in enumerate(data.messages)]
     engine = state.ready_engine()
     extra = dict(data.chat_template_kwargs or {})
+    clash = sorted(extra.keys() & {"messages", "tools", "add_generation_prompt"})
+    if clash:  # passed as keywords too: a clash would be a TypeError (a 500)
+        raise ApiError(
+            400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs"
+        )
     prompt_text = engine.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tools=data.tools, **extra
     )

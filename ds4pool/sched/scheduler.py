@@ -23,6 +23,8 @@ from ds4pool.sched.queue import FairQueue, QueueConfig
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
 
+MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -85,6 +87,9 @@ class Scheduler:
             raise ValueError("a request needs prompt_ids or prompt_text")
         if req.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not -MAX_PRIORITY <= req.priority <= MAX_PRIORITY:
+            # the queue ages priorities as floats: a huge int would fail every step
+            raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         stream = RequestStream(req)
         seq = Seq(req, stream)
         with self.wakeup:
@@ -216,6 +221,9 @@ class Scheduler:
             self.observer.admitted(now - seq.arrival)
             seq.admitted_at = now
         self.pool.restore(seq.session)
+        # A preempted request's KV can be lost while it waits (it did not fit in RAM and the
+        # disk write failed, or there is no disk tier): recompute what the session lacks.
+        seq.num_computed = min(seq.num_computed, seq.session.num_computed)
         return True
 
     def _match(self, seq: Seq) -> None:
@@ -345,6 +353,12 @@ class Scheduler:
                 Event(finish_reason="error", error=error, error_type=error_type, usage=seq.usage())
             )
         else:
-            ev = seq.event(token_ids, reason) if seq.decoder else Event(finish_reason=reason)
+            # never admitted (cancelled or past its deadline while queued): still report usage,
+            # the API builds every final response from it
+            ev = (
+                seq.event(token_ids, reason)
+                if seq.decoder
+                else Event(finish_reason=reason, usage=seq.usage())
+            )
             seq.stream.push(ev)
         self.observer.finished(seq, reason)
