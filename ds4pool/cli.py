@@ -56,6 +56,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from ds4pool.sessions_cli import add_sessions_parser
 
     add_sessions_parser(sub)
+
+    from ds4pool.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

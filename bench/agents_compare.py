@@ -1,0 +1,335 @@
+"""The multi-agent workload on three servers, one after another, on one model directory.
+
+    python bench/agents_compare.py                              # demo model, N = 1 4 8 16
+    python bench/agents_compare.py --agents 1 2 --turns 2       # a quick smoke run
+    python bench/agents_compare.py --servers ds4pool no-batching
+
+Servers (each started as its own process on a free loopback port, CPU, float32):
+  - ds4pool:      `ds4pool serve` (continuous batching, sessions kept warm);
+  - no-batching:  `ds4pool serve --no-batching` (one request at a time, one live session:
+                  the ds4-server behaviour);
+  - transformers: `transformers serve --continuous-batching` with HF_HUB_OFFLINE=1 (needs
+                  `pip install "transformers[serving]"`), pinned to the model directory.
+Both get the same KV budget (`--kv-gb`: ds4pool's `--kv-device-gb`, transformers'
+`--cb-num-blocks` computed from the model's KV bytes per token and its 256-token pages) and
+the same per-step token budget (`--max-batch-tokens` / `--cb-max-batch-tokens`).
+
+For every server and every N a FRESH server runs `ds4pool bench agents` (as a subprocess,
+the command is printed) with the same seed and sizes, so every run sends the same
+requests and no session survives from a previous run. transformers serve rejects unknown
+fields, so it gets `--no-ignore-eos` plus `generation_config` without eos ids (which
+disables eos in its continuous batching): every turn still generates exactly G tokens.
+The reply hashes of each run are compared with ds4pool's run at the same N (greedy
+decoding on the same weights should give the same text).
+
+Writes <out>/<server>-N<n>.json (+ .png), <out>/agents_compare.json, <out>/agents_compare.md,
+and the combined plot (--plot, default <out>/agents_compare.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4pool.bench.agents import moves_cell, ms_pair  # noqa: E402
+
+SERVERS = ("ds4pool", "no-batching", "transformers")
+TF_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig.page_size default
+TF_GEN_CONFIG = json.dumps({"generation_config": json.dumps({"do_sample": False})})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """float32 K and V of every layer for one token."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * 4
+
+
+def server_command(
+    name: str, model_dir: Path, port: int, args: argparse.Namespace
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """(server argv, its environment, extra `bench agents` flags) for one server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS4POOL_")}
+    common = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if name in ("ds4pool", "no-batching"):
+        argv = [sys.executable, "-m", "ds4pool", "serve", "--model", str(model_dir)]
+        argv += ["--device", "cpu", "--dtype", "float32", "--kv-device-gb", str(args.kv_gb)]
+        argv += ["--max-batch-tokens", str(args.max_batch_tokens), *common]
+        return argv + (["--no-batching"] if name == "no-batching" else []), env, []
+    exe = shutil.which("transformers")
+    if exe is None:
+        raise RuntimeError("the transformers CLI is not installed")
+    blocks = math.ceil(args.kv_gb * 2**30 / (TF_PAGE_SIZE * kv_bytes_per_token(model_dir)))
+    argv = [exe, "serve", "--continuous-batching", "--cb-num-blocks", str(blocks)]
+    argv += ["--cb-max-batch-tokens", str(args.max_batch_tokens), "--device", "cpu"]
+    argv += ["--dtype", "float32", *common, str(model_dir)]
+    env["HF_HUB_OFFLINE"] = "1"
+    return argv, env, ["--no-ignore-eos", "--extra-body", TF_GEN_CONFIG]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"server exited with status {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s (log: {log})")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def workload_flags(args: argparse.Namespace, n: int) -> list[str]:
+    return [
+        "--agents", str(n), "--turns", str(args.turns),
+        "--system-tokens", str(args.system_tokens), "--user-tokens", str(args.user_tokens),
+        "--gen-tokens", str(args.gen_tokens), "--think-s", *map(str, args.think_s),
+        "--seed", str(args.seed),
+    ]  # fmt: skip
+
+
+def run_one(name: str, n: int, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A fresh server, one `bench agents` run against it, the server stopped."""
+    port = free_port()
+    argv, env, client_flags = server_command(name, model_dir, port, args)
+    log = args.out / f"{name}-N{n}.server.log"
+    print(f"\n$ {shlex.join(argv)}", file=sys.stderr)
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc, log, args.start_timeout_s)
+        label = f"{name}-N{n}"
+        cmd = [sys.executable, "-m", "ds4pool", "bench", "agents", "--url", url]
+        cmd += [*workload_flags(args, n), *client_flags, "--out", str(args.out), "--label", label]
+        print(f"$ {shlex.join(cmd)}", file=sys.stderr)
+        subprocess.run(cmd, check=False)
+        report_path = args.out / f"{label}.json"
+        if not report_path.exists():
+            raise RuntimeError(f"{label}: the bench wrote no report")
+        report = json.loads(report_path.read_text())
+        report["server"], report["server_command"] = name, shlex.join(argv)
+        return report
+    finally:
+        stop(proc)
+
+
+# ------------------------------------------------------------------ tables and plots
+
+
+def same_replies(report: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """How many turns generated the same text as the reference run (ds4pool, same N)."""
+    if ref is None:
+        return "n/a"
+    want = {(t["agent"], t["turn"]): t["reply_sha256"] for t in ref["turns"] if not t["error"]}
+    got = [(t["agent"], t["turn"], t["reply_sha256"]) for t in report["turns"] if not t["error"]]
+    same = sum(1 for a, k, h in got if want.get((a, k)) == h)
+    return f"{same}/{len(got)}"
+
+
+HEADER = (
+    "| server | agents | turns ok | TTFT first p50 / p95 (ms) | TTFT resumed p50 / p95 (ms) "
+    "| ITL p50 / p95 (ms) | gen tok/s | wall (s) | prefill computed / reused | session moves "
+    "| same text as ds4pool | load 1m |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
+)
+
+
+def table(reports: list[dict[str, Any]]) -> str:
+    refs = {r["workload"]["agents"]: r for r in reports if r["server"] == "ds4pool"}
+    rows = [HEADER]
+    for r in reports:
+        n, p = r["workload"]["agents"], r["prefill"]
+        load = r["machine_before"]["loadavg"][0]
+        rows.append(
+            f"| {r['server']} | {n} | {r['turns_ok']}/{r['turns_planned']} "
+            f"| {ms_pair(r['ttft_first_s'])} | {ms_pair(r['ttft_resumed_s'])} "
+            f"| {ms_pair(r['itl_s'])} | {r['gen_tok_s']:.1f} | {r['wall_s']:.1f} "
+            f"| {p['computed']:,} / {p['reused']:,} | {moves_cell(r['session_moves'])} "
+            f"| {same_replies(r, refs.get(n))} | {load:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def targets(reports: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets at the largest N: resumed TTFT >= 10x and tok/s >= 4x vs
+    no-batching; ahead of transformers serve."""
+    by = {(r["server"], r["workload"]["agents"]): r for r in reports}
+    n = max(r["workload"]["agents"] for r in reports)
+    ours = by.get(("ds4pool", n))
+    if ours is None:
+        return []
+    lines = []
+    for other, ttft_goal, tps_goal in (("no-batching", 10.0, 4.0), ("transformers", 1.0, 1.0)):
+        r = by.get((other, n))
+        if r is None or not r["ttft_resumed_s"]["p50"] or not ours["ttft_resumed_s"]["p50"]:
+            continue
+        ttft = r["ttft_resumed_s"]["p50"] / ours["ttft_resumed_s"]["p50"]
+        tps = ours["gen_tok_s"] / r["gen_tok_s"] if r["gen_tok_s"] else float("inf")
+        lines.append(
+            f"N={n}, ds4pool vs {other}: resumed-turn TTFT p50 {ttft:.1f}x better "
+            f"(target >= {ttft_goal:g}x: {'met' if ttft >= ttft_goal else 'NOT met'}), "
+            f"gen tok/s {tps:.2f}x (target >= {tps_goal:g}x: "
+            f"{'met' if tps >= tps_goal else 'NOT met'})"
+        )
+    return lines
+
+
+def plot(reports: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=90)
+    servers = [s for s in SERVERS if any(r["server"] == s for r in reports)]
+    n_max = max(r["workload"]["agents"] for r in reports)
+    for s in servers:
+        rs = sorted((r for r in reports if r["server"] == s), key=lambda r: r["workload"]["agents"])
+        ns = [r["workload"]["agents"] for r in rs]
+        for ax, key in ((axes[0][0], "ttft_resumed_s"), (axes[0][1], "ttft_first_s")):
+            (line,) = ax.plot(ns, [r[key]["p50"] * 1e3 for r in rs], "o-", label=f"{s} p50")
+            ax.plot(ns, [r[key]["p95"] * 1e3 for r in rs], "--", color=line.get_color(),
+                    alpha=0.5, label=f"{s} p95")  # fmt: skip
+        axes[1][0].plot(ns, [r["gen_tok_s"] for r in rs], "o-", label=s)
+        last = next((r for r in rs if r["workload"]["agents"] == n_max), None)
+        if last is not None:
+            med = [(int(k) + 1, v["p50"] * 1e3) for k, v in last["ttft_by_turn_s"].items()
+                   if v["p50"] is not None]  # fmt: skip
+            axes[1][1].plot(*zip(*med), "o-", label=s)
+    _decorate(axes, n_max, sorted({r["workload"]["agents"] for r in reports}))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _decorate(axes: Any, n_max: int, ns: list[int]) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    some = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")  # 2s and 5s
+    titles = (
+        ("resumed turns: TTFT (ms)", "first turn: TTFT (ms)"),
+        ("aggregate generated tok/s", f"TTFT p50 per turn at N={n_max} (ms; turn 1 = first)"),
+    )
+    for i, row in enumerate(axes):
+        for j, ax in enumerate(row):
+            ax.set_title(titles[i][j], fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            if (i, j) != (1, 0):
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(plain)
+                ax.yaxis.set_minor_formatter(some)
+            else:
+                ax.set_ylim(bottom=0)
+            if (i, j) != (1, 1):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ns, [str(n) for n in ns])
+                ax.set_xlabel("agents")
+            else:
+                ax.set_xticks(range(1, 1 + max(len(line.get_xdata()) for line in ax.lines)))
+                ax.set_xlabel("turn")
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-dir", type=Path, default=None, help="default: the demo model")
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--user-tokens", type=int, default=200)
+    p.add_argument("--gen-tokens", type=int, default=32)
+    p.add_argument("--think-s", type=float, nargs=2, default=[0.5, 2.0], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-gb", type=float, default=0.5, help="KV budget of every server")
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--start-timeout-s", type=float, default=180.0)
+    p.add_argument("--out", type=Path, default=Path("out/agents_compare"))
+    p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model_dir is None:
+        from ds4pool.model.demo import ensure_demo_model
+
+        args.model_dir = ensure_demo_model()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    reports, failures = [], []
+    for name in args.servers:
+        for n in args.agents:
+            try:
+                reports.append(run_one(name, n, args.model_dir, args))
+            except RuntimeError as exc:
+                failures.append(f"{name} N={n}: {exc}")
+                print(f"FAILED {failures[-1]}", file=sys.stderr)
+    header = (
+        f"model {args.model_dir} ({kv_bytes_per_token(args.model_dir)} B of KV per token); "
+        f"turns {args.turns}, S={args.system_tokens}, U={args.user_tokens}, "
+        f"G={args.gen_tokens}, think {args.think_s[0]}-{args.think_s[1]} s, seed {args.seed}; "
+        f"{datetime.now().isoformat(timespec='seconds')}, {time.monotonic() - t0:.0f} s in all"
+    )
+    text = "\n".join([header, "", table(reports), "", *targets(reports), *failures])
+    print("\n" + text)
+    (args.out / "agents_compare.md").write_text(text + "\n")
+    (args.out / "agents_compare.json").write_text(
+        json.dumps({"header": header, "failures": failures, "reports": reports}, indent=1)
+    )
+    if reports:
+        title = (
+            f"{args.model_dir.name}, CPU float32: S={args.system_tokens}, U={args.user_tokens}, "
+            f"G={args.gen_tokens}, {args.turns} turns, think {args.think_s[0]:g}-"
+            f"{args.think_s[1]:g} s, seed {args.seed}"
+        )
+        plot(reports, args.plot or args.out / "agents_compare.png", title)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,595 @@
+"""`ds4pool bench agents`: N simulated coding agents against a running server.
+
+Each agent is one session (`X-Session-Id: agent-<i>-<seed>`) whose conversation grows turn
+by turn, as a coding agent's does: a system prompt of S tokens shared by every agent, then
+per turn a tool-result-like user message of U tokens and a streamed completion of exactly
+G tokens (greedy, `max_tokens=G`, `ignore_eos`), sent back as the assistant message of the
+next turn. Between turns an agent "thinks" for a seeded random pause. All agents start at
+the same moment. The client is the official `openai` SDK (async, streaming, with
+`stream_options={"include_usage": True}`), so the same workload drives any
+OpenAI-compatible server (`--no-session-header`, `--no-ignore-eos`, `--extra-body`).
+
+Text is synthetic "code": lines of words drawn from a seeded vocabulary of identifiers,
+keywords, operators and numbers. Token counts are approximated by words: the demo model's
+byte-level BPE gives about TOKENS_PER_WORD tokens per word on this text (override with
+`--tokens-per-word`); the report gives the real prompt sizes from `usage`. `--seed`
+fixes every text and pause, so two runs (on two servers) send identical requests.
+
+Measured per turn: TTFT (request sent → first content chunk), inter-token latency (gaps
+between content chunks), usage (prompt, cached = `prompt_tokens_details.cached_tokens`,
+0 when the server reports none, completion). Aggregate gen tok/s = completion tokens of
+all turns / wall time of the whole run (think pauses included). ds4pool's
+`ds4pool_session_moves_total` is scraped from `/metrics` before and after (n/a elsewhere).
+Session ids repeat for a repeated seed: use a new `--seed` (or restart) per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ds4pool.errors import Ds4poolError
+from ds4pool.progress import Progress
+
+# Tokens per word of code_text() under the demo model's byte-level BPE (6.00-6.05 measured on
+# 20,000 words for seeds 0, 1, 2; a real BPE with a code-heavy vocabulary gives fewer).
+TOKENS_PER_WORD = 6.0
+SESSION_HEADER = "X-Session-Id"
+
+_KEYWORDS = (
+    "def", "return", "if", "else", "elif", "for", "in", "import", "from", "class", "self",
+    "None", "True", "False", "with", "as", "try", "except", "raise", "lambda", "yield",
+    "assert", "not", "and", "or", "is", "while", "pass", "async", "await",
+)  # fmt: skip
+_SYLLABLES = (
+    "get", "set", "load", "save", "path", "file", "node", "tree", "item", "list", "key",
+    "value", "buf", "size", "count", "index", "parse", "token", "block", "cache", "session",
+    "pool", "read", "write", "user", "config", "error", "test", "data", "line", "name",
+    "text", "time", "step", "batch", "queue", "state", "result", "handle", "check",
+)  # fmt: skip
+_OPS = ("=", "==", "+", "-", "(", ")", ":", ",", "[", "]", "->", ".", "#", "{", "}")
+_NUMBERS = ("0", "1", "2", "8", "16", "42", "100", "255", "1024")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything that determines the requests (identical across servers for one seed)."""
+
+    agents: int
+    turns: int
+    system_tokens: int
+    user_tokens: int
+    gen_tokens: int
+    think_min: float
+    think_max: float
+    seed: int
+    model: str
+    session_header: bool = True
+    ignore_eos: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    tokens_per_word: float = TOKENS_PER_WORD
+
+
+@dataclass
+class TurnResult:
+    """One request: times in seconds (start relative to the run's start)."""
+
+    agent: int
+    turn: int
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    usage_reported: bool = False
+    reply_sha256: str = ""  # first 16 hex digits: do two servers generate the same text?
+    error: str | None = None
+
+
+# ------------------------------------------------------------------ synthetic code text
+
+
+def make_vocab(seed: int, size: int = 400) -> list[str]:
+    """A seeded vocabulary of identifiers (snake_case and camelCase) plus keywords etc."""
+    rng = random.Random(f"vocab:{seed}")
+    idents: set[str] = set()
+    while len(idents) < size:
+        parts = [rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.7:
+            idents.add("_".join(parts))
+        else:
+            idents.add(parts[0] + "".join(p.title() for p in parts[1:]))
+    return sorted(idents) + list(_KEYWORDS) + list(_OPS) + list(_NUMBERS)
+
+
+def code_text(rng: random.Random, vocab: Sequence[str], n_tokens: int, tpw: float) -> str:
+    """About n_tokens tokens of code-like lines (n_tokens / tpw words)."""
+    n_words = max(1, round(n_tokens / tpw))
+    lines: list[str] = []
+    line: list[str] = []
+    depth, width = 0, rng.randint(4, 12)
+    for _ in range(n_words):
+        line.append(rng.choice(vocab))
+        if len(line) >= width:
+            lines.append("    " * depth + " ".join(line))
+            line, depth, width = [], rng.randint(0, 2), rng.randint(4, 12)
+    if line:
+        lines.append("    " * depth + " ".join(line))
+    return "\n".join(lines)
+
+
+def system_prompt(w: Workload, vocab: Sequence[str]) -> str:
+    return code_text(random.Random(f"system:{w.seed}"), vocab, w.system_tokens, w.tokens_per_word)
+
+
+# ------------------------------------------------------------------ one turn, one agent
+
+
+async def run_turn(
+    client: Any, w: Workload, messages: list[dict[str, str]], sid: str, res: TurnResult
+) -> str:
+    """Stream one chat completion, filling `res`; returns the generated text."""
+    headers = {SESSION_HEADER: sid} if w.session_header else {}
+    extra = dict(w.extra_body)
+    if w.ignore_eos:
+        extra["ignore_eos"] = True
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=w.model,
+        messages=messages,
+        max_tokens=w.gen_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers=headers,
+        extra_body=extra or None,
+    )
+    parts: list[str] = []
+    stamps: list[float] = []
+    async for chunk in stream:
+        now = time.perf_counter()
+        if getattr(chunk, "usage", None) is not None:
+            _take_usage(res, chunk.usage)
+        for choice in chunk.choices or ():
+            content = choice.delta.content if choice.delta is not None else None
+            if content:
+                parts.append(content)
+                stamps.append(now)
+    res.e2e = time.perf_counter() - t0
+    if not stamps:
+        raise RuntimeError("the stream ended without any content")
+    res.ttft = stamps[0] - t0
+    res.gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    if not res.usage_reported:
+        res.completion_tokens = len(stamps)  # no usage: chunks stand in for tokens
+    reply = "".join(parts)
+    res.reply_sha256 = hashlib.sha256(reply.encode()).hexdigest()[:16]
+    return reply
+
+
+def _take_usage(res: TurnResult, usage: Any) -> None:
+    res.usage_reported = True
+    res.prompt_tokens = int(usage.prompt_tokens or 0)
+    res.completion_tokens = int(usage.completion_tokens or 0)
+    details = getattr(usage, "prompt_tokens_details", None)
+    res.cached_tokens = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+
+
+async def run_agent(
+    i: int,
+    client: Any,
+    w: Workload,
+    system: str,
+    vocab: Sequence[str],
+    t_start: float,
+    out: list[TurnResult],
+    progress: Progress,
+) -> None:
+    """One agent's turns; a failed turn ends the agent (its later turns are skipped)."""
+    text_rng = random.Random(f"user:{w.seed}:{i}")
+    think_rng = random.Random(f"think:{w.seed}:{i}")
+    sid = f"agent-{i}-{w.seed}"
+    messages = [{"role": "system", "content": system}]
+    for turn in range(w.turns):
+        if turn:
+            await asyncio.sleep(think_rng.uniform(w.think_min, w.think_max))
+        user = code_text(text_rng, vocab, w.user_tokens, w.tokens_per_word)
+        messages.append({"role": "user", "content": user})
+        res = TurnResult(agent=i, turn=turn, start=time.perf_counter() - t_start)
+        out.append(res)
+        try:
+            reply = await run_turn(client, w, messages, sid, res)
+        except Exception as exc:  # noqa: BLE001 - any failure is counted, not raised
+            res.error = f"{type(exc).__name__}: {exc}"[:300]
+            progress.advance(w.turns - turn)
+            return
+        messages.append({"role": "assistant", "content": reply})
+        progress.advance()
+
+
+async def run_workload(
+    url: str, w: Workload, api_key: str, timeout_s: float, warmup: bool, show_progress: bool
+) -> tuple[list[TurnResult], float]:
+    """All agents concurrently; returns the turns and the wall time (after the warm-up)."""
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=api_key, timeout=timeout_s, max_retries=0
+    )
+    vocab = make_vocab(w.seed)
+    system = system_prompt(w, vocab)
+    if warmup:  # the first request of a fresh process pays one-off costs; not measured
+        warm = Workload(**{**asdict(w), "session_header": False, "gen_tokens": 4})
+        await run_turn(
+            client,
+            warm,
+            [{"role": "user", "content": "warm up"}],
+            "",
+            TurnResult(agent=-1, turn=0, start=0.0),
+        )
+    out: list[TurnResult] = []
+    with Progress("agents", w.agents * w.turns, enabled=show_progress) as progress:
+        t_start = time.perf_counter()
+        await asyncio.gather(
+            *(
+                run_agent(i, client, w, system, vocab, t_start, out, progress)
+                for i in range(w.agents)
+            )
+        )
+        wall = time.perf_counter() - t_start
+    await client.close()
+    return out, wall
+
+
+# ------------------------------------------------------------------ server side facts
+
+
+_MOVE_LINE = re.compile(r"^ds4pool_session_moves_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def scrape_moves(url: str, api_key: str) -> dict[str, float] | None:
+    """`ds4pool_session_moves_total` summed by "from->to"; None if the server has none."""
+    import httpx
+
+    try:
+        resp = httpx.get(
+            f"{url}/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
+        )
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200 or "ds4pool_session_moves_total" not in resp.text:
+        return None
+    moves: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        m = _MOVE_LINE.match(line)
+        if m:
+            labels = dict(_LABEL.findall(m.group("labels")))
+            key = f"{labels.get('from', '?')}->{labels.get('to', '?')}"
+            moves[key] = moves.get(key, 0.0) + float(m.group("value"))
+    return moves
+
+
+def moves_delta(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    delta = {k: int(v - before.get(k, 0.0)) for k, v in after.items()}
+    return {k: v for k, v in sorted(delta.items()) if v}
+
+
+def discover_model(url: str, api_key: str) -> str:
+    """The first id of GET /v1/models ('default' when the server lists none)."""
+    import httpx
+
+    try:
+        resp = httpx.get(
+            f"{url}/v1/models", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
+        )
+        resp.raise_for_status()
+        data = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as exc:
+        raise Ds4poolError(f"cannot list models at {url}/v1/models: {exc}") from None
+    return str(data[0]["id"]) if data else "default"
+
+
+# ------------------------------------------------------------------ the report
+
+
+def stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    """n, p50, p95, mean, max (linear-interpolated percentiles); None fields when empty."""
+    if not values:
+        return {"n": 0, "p50": None, "p95": None, "mean": None, "max": None}
+    xs = sorted(values)
+
+    def pct(q: float) -> float:
+        pos = (len(xs) - 1) * q
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {
+        "n": len(xs),
+        "p50": pct(0.5),
+        "p95": pct(0.95),
+        "mean": sum(xs) / len(xs),
+        "max": xs[-1],
+    }
+
+
+def summarize(turns: list[TurnResult], wall: float, w: Workload) -> dict[str, Any]:
+    """The metrics of the report (everything but run metadata)."""
+    ok = [t for t in turns if t.error is None]
+    first = [t for t in ok if t.turn == 0]
+    resumed = [t for t in ok if t.turn > 0]
+    completion = sum(t.completion_tokens for t in ok)
+    tpot = [
+        (t.e2e - t.ttft) / (t.completion_tokens - 1)
+        for t in ok
+        if t.e2e is not None and t.ttft is not None and t.completion_tokens > 1
+    ]
+    by_turn = {
+        str(k): stats([t.ttft for t in ok if t.turn == k and t.ttft is not None])
+        for k in range(w.turns)
+    }
+    return {
+        "wall_s": wall,
+        "turns_planned": w.agents * w.turns,
+        "turns_ok": len(ok),
+        "errors": len(turns) - len(ok),
+        "turns_skipped": w.agents * w.turns - len(turns),
+        "error_samples": sorted({t.error for t in turns if t.error})[:5],
+        "ttft_first_s": stats([t.ttft for t in first if t.ttft is not None]),
+        "ttft_resumed_s": stats([t.ttft for t in resumed if t.ttft is not None]),
+        "ttft_by_turn_s": by_turn,
+        "itl_s": stats([g for t in ok for g in t.gaps]),
+        "tpot_s": stats(tpot),
+        "completion_tokens": completion,
+        "gen_tok_s": completion / wall if wall > 0 else 0.0,
+        "usage_reported": all(t.usage_reported for t in ok) if ok else False,
+        "prefill": _prefill(first, resumed),
+    }
+
+
+def _prefill(first: list[TurnResult], resumed: list[TurnResult]) -> dict[str, int]:
+    def computed(ts: list[TurnResult]) -> int:
+        return sum(max(t.prompt_tokens - t.cached_tokens, 0) for t in ts)
+
+    return {
+        "prompt_tokens": sum(t.prompt_tokens for t in first + resumed),
+        "computed": computed(first) + computed(resumed),
+        "reused": sum(t.cached_tokens for t in first + resumed),
+        "computed_first": computed(first),
+        "reused_first": sum(t.cached_tokens for t in first),
+        "computed_resumed": computed(resumed),
+        "reused_resumed": sum(t.cached_tokens for t in resumed),
+    }
+
+
+def ms_pair(s: dict[str, Any]) -> str:
+    if not s or s.get("p50") is None:
+        return "n/a"
+    return f"{s['p50'] * 1e3:,.0f} / {s['p95'] * 1e3:,.0f}"
+
+
+def moves_cell(moves: dict[str, int] | None) -> str:
+    if moves is None:
+        return "n/a"
+    return ", ".join(f"{k} {v}" for k, v in moves.items()) or "none"
+
+
+TABLE_HEADER = (
+    "| run | agents | turns ok | errors | TTFT first p50 / p95 (ms) "
+    "| TTFT resumed p50 / p95 (ms) | ITL p50 / p95 (ms) | gen tok/s "
+    "| prefill computed / reused (tokens) | session moves |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+)
+
+
+def table_row(r: dict[str, Any]) -> str:
+    p = r["prefill"]
+    return (
+        f"| {r['label']} | {r['workload']['agents']} | {r['turns_ok']}/{r['turns_planned']} "
+        f"| {r['errors'] + r['turns_skipped']} | {ms_pair(r['ttft_first_s'])} "
+        f"| {ms_pair(r['ttft_resumed_s'])} | {ms_pair(r['itl_s'])} | {r['gen_tok_s']:.1f} "
+        f"| {p['computed']:,} / {p['reused']:,} | {moves_cell(r['session_moves'])} |"
+    )
+
+
+def markdown_table(reports: Sequence[dict[str, Any]]) -> str:
+    return "\n".join([TABLE_HEADER, *(table_row(r) for r in reports)])
+
+
+def plot_report(report: dict[str, Any], path: Path) -> bool:
+    """TTFT per turn index, first turns vs resumed ones; False (and a message) without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    turns = [t for t in report["turns"] if t["ttft"] is not None]
+    rng = random.Random(0)
+    for name, sel, color in (("first turn", 0, "tab:red"), ("resumed", 1, "tab:blue")):
+        pts = [t for t in turns if (t["turn"] > 0) == bool(sel)]
+        ax.scatter(
+            [t["turn"] + 1 + rng.uniform(-0.15, 0.15) for t in pts],
+            [t["ttft"] * 1e3 for t in pts],
+            s=12,
+            alpha=0.6,
+            color=color,
+            label=name,
+        )
+    med = [
+        (int(k) + 1, v["p50"] * 1e3)
+        for k, v in report["ttft_by_turn_s"].items()
+        if v["p50"] is not None
+    ]
+    if med:
+        ax.plot(*zip(*med), color="black", linewidth=1, label="median")
+    ax.set_yscale("log")
+    ax.set_xticks(range(1, report["workload"]["turns"] + 1))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(f"{report['label']}: {report['workload']['agents']} agents")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_agents_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--agents", type=int, default=4, help="concurrent agents (sessions)")
+    p.add_argument("--turns", type=int, default=4, help="turns per agent")
+    p.add_argument("--system-tokens", type=int, default=1000, help="shared system prompt size")
+    p.add_argument("--user-tokens", type=int, default=200, help="tool result size per turn")
+    p.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per turn")
+    p.add_argument(
+        "--think-s",
+        type=float,
+        nargs=2,
+        default=[0.5, 2.0],
+        metavar=("MIN", "MAX"),
+        help="pause between an agent's turns (uniform)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="texts, pauses and session ids")
+    p.add_argument("--model", default=None, help="model field (default: first of /v1/models)")
+    p.add_argument(
+        "--no-session-header",
+        dest="session_header",
+        action="store_false",
+        help=f"do not send {SESSION_HEADER} (servers without sessions)",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (servers that reject unknown fields)",
+    )
+    p.add_argument("--extra-body", default="{}", help="JSON object merged into every request")
+    p.add_argument(
+        "--tokens-per-word",
+        type=float,
+        default=TOKENS_PER_WORD,
+        help="tokens per synthetic word (sizes the texts)",
+    )
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per-request timeout")
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the unmeasured warm-up request",
+    )
+    p.add_argument("--out", type=Path, default=None, help="write <label>.json and <label>.png")
+    p.add_argument("--label", default=None, help="run name (default: agents-<N>)")
+
+
+def workload_from(args: argparse.Namespace, model: str) -> Workload:
+    try:
+        extra = json.loads(args.extra_body)
+    except json.JSONDecodeError as exc:
+        raise Ds4poolError(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise Ds4poolError("--extra-body must be a JSON object")
+    lo, hi = args.think_s
+    if args.agents < 1 or args.turns < 1 or args.gen_tokens < 1:
+        raise Ds4poolError("--agents, --turns and --gen-tokens must be at least 1")
+    if args.system_tokens < 1 or args.user_tokens < 1 or args.tokens_per_word <= 0:
+        raise Ds4poolError("--system-tokens, --user-tokens, --tokens-per-word must be > 0")
+    if lo < 0 or hi < lo:
+        raise Ds4poolError("--think-s needs 0 <= MIN <= MAX")
+    return Workload(
+        agents=args.agents,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        gen_tokens=args.gen_tokens,
+        think_min=lo,
+        think_max=hi,
+        seed=args.seed,
+        model=model,
+        session_header=args.session_header,
+        ignore_eos=args.ignore_eos,
+        extra_body=extra,
+        tokens_per_word=args.tokens_per_word,
+    )
+
+
+def _machine() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg": [round(x, 2) for x in load],
+    }
+
+
+def run_agents(args: argparse.Namespace) -> int:
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        msg = "ds4pool bench agents needs the openai SDK: pip install openai"
+        raise Ds4poolError(msg) from None
+    url = args.url.rstrip("/")
+    model = args.model or discover_model(url, args.api_key)
+    w = workload_from(args, model)
+    label = args.label or f"agents-{w.agents}"
+    machine_before = _machine()
+    before = scrape_moves(url, args.api_key)
+    turns, wall = asyncio.run(
+        run_workload(url, w, args.api_key, args.timeout_s, args.warmup, sys.stderr.isatty())
+    )
+    report: dict[str, Any] = {
+        "label": label,
+        "url": url,
+        "date": datetime.now(timezone.utc).isoformat(),
+        "command": " ".join(sys.argv),
+        "machine_before": machine_before,
+        "machine_after": _machine(),
+        "workload": asdict(w),
+        **summarize(turns, wall, w),
+        "session_moves": moves_delta(before, scrape_moves(url, args.api_key)),
+        "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
+    }
+    print(markdown_table([report]))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{label}.json").write_text(json.dumps(report, indent=1) + "\n")
+        if plot_report(report, args.out / f"{label}.png"):
+            print(
+                f"wrote {args.out / f'{label}.json'} and {args.out / f'{label}.png'}",
+                file=sys.stderr,
+            )
+    failed = report["errors"] + report["turns_skipped"]
+    if failed:
+        print(f"{failed} turns failed or were skipped: {report['error_samples']}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,63 @@
+"""`ds4pool bench agents` against a real server on loopback: the report's fields, exact
+generation lengths (ignore_eos), and that resumed turns reuse the session's KV."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ds4pool.bench.agents import code_text, make_vocab
+from ds4pool.cli import main
+from tests.integration.conftest import Server
+
+TINY = [
+    "--agents", "2", "--turns", "2", "--system-tokens", "120", "--user-tokens", "30",
+    "--gen-tokens", "4", "--think-s", "0", "0", "--seed", "7",
+]  # fmt: skip
+
+
+def _run(server: Server, out: Path, label: str, *extra: str) -> dict:
+    argv = ["bench", "agents", "--url", server.url, *TINY, "--out", str(out), "--label", label]
+    assert main([*argv, *extra]) == 0
+    return json.loads((out / f"{label}.json").read_text())
+
+
+def test_report_fields_and_reuse(
+    serve: Callable[..., Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = _run(serve(), tmp_path, "tiny")
+    assert "| tiny | 2 | 4/4 | 0 |" in capsys.readouterr().out  # the markdown table
+    keys = "wall_s ttft_first_s ttft_resumed_s itl_s tpot_s gen_tok_s prefill session_moves"
+    for key in [*keys.split(), "workload", "machine_before", "turns"]:
+        assert key in report, key
+    assert report["turns_ok"] == 4 and report["errors"] == 0 and report["turns_skipped"] == 0
+    assert report["ttft_first_s"]["n"] == 2 and report["ttft_resumed_s"]["n"] == 2
+    assert report["ttft_resumed_s"]["p50"] > 0 and report["gen_tok_s"] > 0
+    # the fixture's server has no Prometheus metrics (ds4pool serve has): n/a is None
+    assert report["session_moves"] is None or isinstance(report["session_moves"], dict)
+    turns = {(t["agent"], t["turn"]): t for t in report["turns"]}
+    for agent in (0, 1):
+        first, second = turns[agent, 0], turns[agent, 1]
+        assert first["completion_tokens"] == second["completion_tokens"] == 4  # ignore_eos
+        assert first["cached_tokens"] == 0
+        # the whole previous turn (prompt + reply but its last sampled token) was reused
+        assert second["cached_tokens"] == first["prompt_tokens"] + 4 - 1
+    prefill = report["prefill"]
+    assert prefill["reused_first"] == 0 and prefill["reused_resumed"] > prefill["computed_resumed"]
+    assert prefill["computed"] + prefill["reused"] == prefill["prompt_tokens"]
+
+
+def test_no_session_header_reuses_nothing(serve: Callable[..., Server], tmp_path: Path) -> None:
+    report = _run(serve(), tmp_path, "plain", "--no-session-header", "--seed", "8")
+    assert report["turns_ok"] == 4 and report["prefill"]["reused"] == 0
+
+
+def test_workload_text_is_seeded() -> None:
+    def text(seed: int) -> str:
+        return code_text(random.Random(seed), make_vocab(seed), 200, 6.0)
+
+    assert text(1) == text(1) != text(2)
