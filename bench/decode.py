@@ -12,7 +12,6 @@ once: weight bytes / measured device copy bandwidth (KV reads ignored).
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from datetime import date
@@ -23,19 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.kv.blocks import BlockPool, BlockTable  # noqa: E402
+from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def sync(device: torch.device) -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import queue
 import random
 import shlex
@@ -61,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.engine import Engine, EngineConfig  # noqa: E402
+from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.sampler import SamplingParams  # noqa: E402
@@ -171,16 +171,6 @@ def ms(seconds: float) -> str:
     if v != v:  # nan
         return "–"
     return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # ------------------------------------------------------------------ engines

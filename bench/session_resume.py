@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -63,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for  # noqa: E402
 from ds4pool.kv.session import Session  # noqa: E402
+from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
@@ -80,16 +80,6 @@ SCENARIOS = {
     "disk-cold": "disk, after restart, file pages dropped (fadvise)",
 }
 RESTARTS = ("disk-restart", "disk-cold")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def block_device_read_bytes() -> int:
