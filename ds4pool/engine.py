@@ -55,6 +55,8 @@ class EngineConfig:
         for name in ("kv_ram_gb", "kv_disk_gb", "coalesce_us", "kv_persist_idle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if not self.aging_s > 0:  # the queue divides by it (0 failed every step)
+            raise ValueError("aging_s must be > 0")
 
 
 def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:

@@ -19,6 +19,7 @@ from ds4pool.api.common import (
     authenticate,
     check_max_tokens,
     collect,
+    error_for,
     finish,
     priority_of,
     sampling_from,
@@ -185,8 +186,10 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
         return Stream(_events(state, gen, mid), media_type="text/event-stream", headers=headers)
     text, final = await collect(gen)
     finish(state, gen, final)
-    if final.error:
-        raise ApiError(500, "inference failed; see the server log")
+    if final.error:  # e.g. the session outgrew the KV pool after its first tokens
+        err = error_for(final)
+        err.counted = True  # finish() recorded it
+        raise err
     reason, seq = _stop_reason(final)
     body = {
         "id": mid,

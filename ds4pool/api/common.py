@@ -162,13 +162,14 @@ async def start(
     gen.ttft = time.monotonic() - started
     if gen.first.error is not None:
         finish(state, gen, gen.first)
-        err = _error_for(gen.first)
+        err = error_for(gen.first)
         err.counted = True
         raise err
     return gen
 
 
-def _error_for(event: Event) -> ApiError:
+def error_for(event: Event) -> ApiError:
+    """The HTTP error for a request that ended with an error event (by whose fault)."""
     if event.error_type == "invalid_request":
         return ApiError(400, event.error or "invalid request", code="invalid_request")
     if event.error_type == "busy":

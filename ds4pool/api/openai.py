@@ -20,6 +20,7 @@ from ds4pool.api.common import (
     authenticate,
     check_max_tokens,
     collect,
+    error_for,
     finish,
     priority_of,
     sampling_from,
@@ -194,8 +195,10 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         return Stream(chunks, media_type="text/event-stream", headers=_headers(req))
     text, final = await collect(gen)
     finish(state, gen, final)
-    if final.error:
-        raise ApiError(500, "inference failed; see the server log", code="inference_error")
+    if final.error:  # e.g. the session outgrew the KV pool after its first tokens
+        err = error_for(final)
+        err.counted = True  # finish() recorded it
+        raise err
     body = {
         "id": rid,
         "object": "chat.completion",
@@ -309,8 +312,10 @@ async def completions(request: HttpRequest, data: CompletionRequest) -> Response
         )
     text, final = await collect(gen)
     finish(state, gen, final)
-    if final.error:
-        raise ApiError(500, "inference failed; see the server log", code="inference_error")
+    if final.error:  # e.g. the session outgrew the KV pool after its first tokens
+        err = error_for(final)
+        err.counted = True  # finish() recorded it
+        raise err
     body = {
         "id": rid,
         "object": "text_completion",

@@ -139,7 +139,11 @@ class Scheduler:
                 assert table is not None
                 total = len(table.blocks) + table.blocks_needed(seq.num_computed + n)
                 if total > self.pool.blocks.num_blocks:  # can never fit: fail, don't loop
-                    self._finish(seq, "error", error=str(exc), error_type="invalid_request")
+                    error = (
+                        f"{seq.num_computed + n} tokens need {total} KV blocks; "
+                        f"the device pool has {self.pool.blocks.num_blocks}"
+                    )
+                    self._finish(seq, "error", error=error, error_type="invalid_request")
                     return False
                 victims = [
                     s
