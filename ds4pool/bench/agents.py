@@ -15,10 +15,11 @@ byte-level BPE gives about TOKENS_PER_WORD tokens per word on this text (overrid
 `--tokens-per-word`); the report gives the real prompt sizes from `usage`. `--seed`
 fixes every text and pause, so two runs (on two servers) send identical requests.
 
-Measured per turn: TTFT (request sent → first content chunk), inter-token latency (gaps
-between content chunks), usage (prompt, cached = `prompt_tokens_details.cached_tokens`,
-0 when the server reports none, completion). Aggregate gen tok/s = completion tokens of
-all turns / wall time of the whole run (think pauses included). ds4pool's
+Measured per turn: TTFT (request sent → first content chunk), end-to-end time,
+inter-token latency (gaps between content chunks), usage (prompt, cached =
+`prompt_tokens_details.cached_tokens`, 0 when the server reports none, completion).
+Aggregate gen tok/s = completion tokens of all turns / wall time of the whole run (think
+pauses included). ds4pool's
 `ds4pool_session_moves_total` is scraped from `/metrics` before and after (n/a elsewhere).
 Session ids repeat for a repeated seed: use a new `--seed` (or restart) per run.
 """
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4pool.errors import Ds4poolError
+from ds4pool.machine import cpu_name
 from ds4pool.progress import Progress
 
 # Tokens per word of code_text() under the demo model's byte-level BPE (6.00-6.05 measured on
@@ -358,6 +360,7 @@ def summarize(turns: list[TurnResult], wall: float, w: Workload) -> dict[str, An
         "ttft_first_s": stats([t.ttft for t in first if t.ttft is not None]),
         "ttft_resumed_s": stats([t.ttft for t in resumed if t.ttft is not None]),
         "ttft_by_turn_s": by_turn,
+        "e2e_s": stats([t.e2e for t in ok if t.e2e is not None]),
         "itl_s": stats([g for t in ok for g in t.gaps]),
         "tpot_s": stats(tpot),
         "completion_tokens": completion,
@@ -546,7 +549,7 @@ def _machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": cpu_name(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "loadavg": [round(x, 2) for x in load],
