@@ -312,7 +312,7 @@ class StatusCounter:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.counts: Counter[int] = Counter()
-        self.errors: list[str] = []  # "STATUS METHOD PATH" of every 5xx
+        self.errors: list[str] = []  # "STATUS METHOD PATH: body" of every 5xx
         self.lock = threading.Lock()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -320,13 +320,19 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
 
+        status = 0
+
         async def counting_send(message: Any) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 with self.lock:
                     self.counts[status] += 1
-                    if status >= 500:
-                        self.errors.append(f"{status} {scope['method']} {scope['path']}")
+            elif message["type"] == "http.response.body" and status >= 500:
+                body = bytes(message.get("body", b""))[:200].decode(errors="replace")
+                with self.lock:
+                    self.errors.append(f"{status} {scope['method']} {scope['path']}: {body}")
+                status = 0  # one entry per response
             await send(message)
 
         await self.app(scope, receive, counting_send)

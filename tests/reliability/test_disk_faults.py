@@ -133,7 +133,7 @@ def test_disk_full_on_tmpfs(
         demo_dir,
         tmp_path / "server.log",
         "--kv-disk-dir", str(tiny_tmpfs),
-        "--kv-device-gb", "0.003",
+        "--kv-device-gb", "0.006",
         "--kv-ram-gb", "0.002",
         "--kv-persist-every-tokens", "4",
         "--kv-persist-idle-s", "0.05",
@@ -237,7 +237,7 @@ def test_injected_write_faults_in_process(
 
     observer = CountingObserver()
     engine_kw = {
-        "kv_device_gb": 0.003,
+        "kv_device_gb": 0.006,
         "kv_ram_gb": 0.002,
         "kv_disk_dir": disk,
         "kv_persist_every_tokens": 4,
@@ -255,6 +255,7 @@ def test_injected_write_faults_in_process(
                 srv.engine.pool.writer.drain()
                 srv.engine.pool.check_integrity()
                 server_errors = srv.statuses.server_errors()
+                error_detail = list(srv.statuses.errors)
             finally:
                 srv.close()  # the shutdown flush meets faults too
         good, tmps, bad = scan_snapshots(disk, fingerprint)
@@ -292,5 +293,5 @@ def test_injected_write_faults_in_process(
     assert injected > 0 and len(good) > 0
     assert observer.errors["write"] == injected, (dict(observer.errors), dict(faults))
     assert set(observer.errors) == {"write"} and not observer2.errors
-    assert server_errors == 0
+    assert server_errors == 0, error_detail + failures[:10]
     assert not failures, "\n".join(failures[:20])

@@ -523,6 +523,26 @@ def test_disconnect_while_queued(loaded) -> None:  # noqa: ANN001
     assert not errors, errors
 
 
+def test_session_outgrowing_the_kv_pool_mid_generation(loaded) -> None:  # noqa: ANN001
+    """Regression: a request whose session outgrew the device KV pool after its first tokens
+    (a 400 had it been known up front) was answered 500 by the non-streaming handlers."""
+    srv = start_in_process(loaded, {"kv_device_gb": 0.001})  # 16 blocks: 256 tokens
+    long = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            results = [
+                c.post(CHAT, json={"messages": USER, **long}).status_code,
+                c.post("/v1/completions", json={"prompt": "hello", **long}).status_code,
+                c.post(MSG, json={"model": "m", "messages": USER, **long}).status_code,
+            ]
+            ok = c.post(CHAT, json={"messages": USER, "max_tokens": 4}).status_code
+        errors = srv.statuses.errors
+    finally:
+        srv.close()
+    report("hostile_outgrow_kv_pool", statuses=results, responses_5xx=len(errors))
+    assert results == [400, 400, 400] and ok == 200, (results, errors)
+
+
 # ---------------------------------------------------------------------------- afterwards
 
 
@@ -541,3 +561,12 @@ def test_server_is_healthy_afterwards(server: InProcessServer) -> None:
         responses_5xx=server.statuses.server_errors(),
     )
     assert server.statuses.server_errors() == 0, server.statuses.errors
+
+
+@pytest.mark.parametrize("aging_s", [0.0, -1.0])
+def test_config_that_would_stall_the_queue_is_refused(aging_s: float) -> None:
+    """Regression: --aging-s 0 made every scheduling step divide by zero (every request hung)."""
+    from ds4pool.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="aging_s"):
+        EngineConfig(aging_s=aging_s)
