@@ -62,6 +62,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def http_client(base_url: str = "", timeout: float = 300.0) -> httpx.Client:
+    """An httpx client that drops idle connections after 2 s, before uvicorn closes them (5 s
+    keep-alive): reusing a connection the server is closing races ("Server disconnected
+    without sending a response"), a client-side artefact no test should trip over."""
+    return httpx.Client(
+        base_url=base_url, timeout=timeout, limits=httpx.Limits(keepalive_expiry=2.0)
+    )
+
+
 def wait_until(pred: Callable[[], bool], timeout: float, what: str, step: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -460,8 +469,8 @@ def drive(
     def client(i: int) -> None:
         mine = convs[i::clients]
         with (
-            httpx.Client(base_url=subject_url, timeout=timeout) as subject,
-            httpx.Client(base_url=ref_url or subject_url, timeout=timeout) as ref,
+            http_client(subject_url, timeout) as subject,
+            http_client(ref_url or subject_url, timeout) as ref,
         ):
             for _ in range(turns):
                 for conv in mine:

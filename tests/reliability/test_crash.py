@@ -38,6 +38,7 @@ from tests.reliability.helpers import (
     cached_tokens,
     chat_body,
     expected_reuse,
+    http_client,
     really_bad,
     report,
     scan_snapshots,
@@ -231,8 +232,8 @@ class CrashRun:
         raise AssertionError("aborted")
 
     def worker(self, w: int) -> None:
-        client = httpx.Client(timeout=REQUEST_TIMEOUT_S)
-        ref = httpx.Client(base_url=self.ref.url, timeout=REQUEST_TIMEOUT_S)
+        client = http_client(timeout=REQUEST_TIMEOUT_S)
+        ref = http_client(self.ref.url, REQUEST_TIMEOUT_S)
         mode = "canon" if w % 2 else "echo"
         n_conv = 0
 

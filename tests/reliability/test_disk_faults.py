@@ -22,7 +22,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 import ds4pool.kv.disk as disk_mod
@@ -35,6 +34,7 @@ from tests.reliability.helpers import (
     ServerProcess,
     drive,
     expected_reuse,
+    http_client,
     one_turn,
     report,
     scan_snapshots,
@@ -77,8 +77,8 @@ def resume_turn(
     says; completions equal the reference where the restored state is the newest one."""
     out = Drive()
     with (
-        httpx.Client(base_url=url, timeout=300) as subject,
-        httpx.Client(base_url=ref_url, timeout=300) as ref,
+        http_client(url) as subject,
+        http_client(ref_url) as ref,
     ):
         for conv in convs:
             snap = snaps.get((tenant, conv.session_id))

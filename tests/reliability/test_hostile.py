@@ -26,6 +26,7 @@ import pytest
 from tests.reliability.helpers import (
     InProcessServer,
     cached_tokens,
+    http_client,
     report,
     size,
     start_in_process,
@@ -272,7 +273,7 @@ CORPUS: list[tuple[str, str, str, dict[str, str], bytes | None]] = [
 def test_hand_written_corpus(server: InProcessServer) -> None:
     results: Counter[str] = Counter()
     bad: list[str] = []
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with http_client(server.url, 60) as c:
         for name, method, path, headers, body in CORPUS:
             hdrs = {"Content-Type": "application/json", **headers}
             try:
@@ -529,7 +530,7 @@ def test_session_outgrowing_the_kv_pool_mid_generation(loaded) -> None:  # noqa:
     srv = start_in_process(loaded, {"kv_device_gb": 0.001})  # 16 blocks: 256 tokens
     long = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
     try:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
+        with http_client(srv.url, 120) as c:
             results = [
                 c.post(CHAT, json={"messages": USER, **long}).status_code,
                 c.post("/v1/completions", json={"prompt": "hello", **long}).status_code,

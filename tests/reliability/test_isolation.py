@@ -27,7 +27,14 @@ import httpx
 import pytest
 
 from ds4pool.api.config import TenantConfig
-from tests.reliability.helpers import InProcessServer, cached_tokens, report, size, start_in_process
+from tests.reliability.helpers import (
+    InProcessServer,
+    cached_tokens,
+    http_client,
+    report,
+    size,
+    start_in_process,
+)
 
 pytestmark = pytest.mark.timeout(size(300, 1200))
 
@@ -66,7 +73,7 @@ def chat_body(turn: int) -> dict:
 class Attack:
     def __init__(self, srv: InProcessServer) -> None:
         self.srv = srv
-        self.c = httpx.Client(base_url=srv.url, timeout=120)
+        self.c = http_client(srv.url, 120)
         self.attempts: Counter[str] = Counter()
         self.successes: list[str] = []
         self._fresh: dict[str, str] = {}
@@ -358,7 +365,7 @@ def test_tenant_b_cannot_reach_tenant_a(loaded, tmp_path: Path) -> None:  # noqa
 
     srv = start_in_process(loaded, engine_kw, **server_kw)
     try:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
+        with http_client(srv.url, 120) as c:
             setup_a(c)
             tiers = {i.session_id: i.tier for i in srv.engine.pool.list_sessions(tenant="tenant-a")}
             assert tiers["on-disk"] == "disk" and tiers["in-ram"] == "ram", tiers
@@ -378,7 +385,7 @@ def test_tenant_b_cannot_reach_tenant_a(loaded, tmp_path: Path) -> None:  # noqa
             attack2.continue_as_b(sid, turn=3 if sid in A_SESSIONS else i % 3)
         attack2.listings()
         attack2.admin_with(bearer(KEY_B), "/admin with B's key")
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
+        with http_client(srv.url, 120) as c:
             a_controls(c, controls.append)
         errors += srv.statuses.errors
         srv.engine.pool.check_integrity()

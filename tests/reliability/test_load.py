@@ -24,6 +24,7 @@ from tests.reliability.helpers import (
     cached_tokens,
     chat_body,
     drive,
+    http_client,
     metric,
     report,
     rss_bytes,
@@ -130,7 +131,7 @@ def test_many_sessions_tiny_budgets(
     mismatches: list[str] = []
     ref = start_in_process(loaded, {"kv_device_gb": 0.05})
     try:
-        with httpx.Client(base_url=ref.url, timeout=300) as c:
+        with http_client(ref.url) as c:
             for sid, seq in turns.items():
                 for t, (body, text) in enumerate(seq):
                     r = c.post("/v1/chat/completions", json=body, headers={"X-Session-Id": sid})
