@@ -19,9 +19,9 @@ from ds4pool.api.common import (
     authenticate,
     check_max_tokens,
     collect,
-    error_for,
     finish,
     priority_of,
+    replay,
     sampling_from,
     session_id_of,
     sse,
@@ -184,12 +184,7 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     headers = {SESSION_HEADER: req.session_id} if req.session_id else {}
     if data.stream:
         return Stream(_events(state, gen, mid), media_type="text/event-stream", headers=headers)
-    text, final = await collect(gen)
-    finish(state, gen, final)
-    if final.error:  # e.g. the session outgrew the KV pool after its first tokens
-        err = error_for(final)
-        err.counted = True  # finish() recorded it
-        raise err
+    text, final = await collect(state, gen)
     reason, seq = _stop_reason(final)
     body = {
         "id": mid,
@@ -231,7 +226,7 @@ async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[b
             "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
         )
         yield event("ping", {})
-        async for ev in _chain([gen.first], gen):
+        async for ev in replay(gen):
             if ev.text:
                 yield event(
                     "content_block_delta",
@@ -253,12 +248,3 @@ async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[b
         yield event("message_stop", {})
     finally:
         finish(state, gen, final)
-
-
-async def _chain(first: list[Event], gen: Generation) -> AsyncIterator[Event]:
-    for ev in first:
-        yield ev
-        if ev.finished:
-            return
-    async for ev in gen.events:
-        yield ev

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from litestar import Request as HttpRequest
 
@@ -161,11 +161,16 @@ async def start(
         raise
     gen.ttft = time.monotonic() - started
     if gen.first.error is not None:
-        finish(state, gen, gen.first)
-        err = error_for(gen.first)
-        err.counted = True
-        raise err
+        fail(state, gen, gen.first)
     return gen
+
+
+def fail(state: ApiState, gen: Generation, final: Event) -> NoReturn:
+    """Record a request that ended in an error event and raise its HTTP error."""
+    finish(state, gen, final)
+    err = error_for(final)
+    err.counted = True  # finish() recorded it
+    raise err
 
 
 def error_for(event: Event) -> ApiError:
@@ -226,16 +231,30 @@ def finish(state: ApiState, gen: Generation, final: Event | None) -> None:
         record(endpoint=gen.endpoint, status=status, seconds=duration)
 
 
-async def collect(gen: Generation) -> tuple[str, Event]:
-    """All text and the final event of a non-streaming request."""
+async def replay(gen: Generation) -> AsyncIterator[Event]:
+    """Every event of the request, the first one (already received) included."""
     assert gen.first is not None
-    parts, final = [gen.first.text], gen.first
-    if not final.finished:
+    yield gen.first
+    if not gen.first.finished:
         async for event in gen.events:
-            parts.append(event.text)
-            final = event
-            if event.finished:
-                break
+            yield event
+
+
+async def collect(state: ApiState, gen: Generation) -> tuple[str, Event]:
+    """All text and the final event of a non-streaming request, recorded by finish();
+    a request that ended in an error raises its HTTP error (e.g. the session outgrew the
+    KV pool after its first tokens)."""
+    parts: list[str] = []
+    final = gen.first
+    async for event in replay(gen):
+        parts.append(event.text)
+        final = event
+        if event.finished:
+            break
+    assert final is not None
+    if final.error:
+        fail(state, gen, final)
+    finish(state, gen, final)
     return "".join(parts), final
 
 

@@ -20,9 +20,9 @@ from ds4pool.api.common import (
     authenticate,
     check_max_tokens,
     collect,
-    error_for,
     finish,
     priority_of,
+    replay,
     sampling_from,
     session_id_of,
     sse,
@@ -193,12 +193,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         chunks = _chat_chunks(state, gen, rid, created, include_usage)
         return Stream(chunks, media_type="text/event-stream", headers=_headers(req))
-    text, final = await collect(gen)
-    finish(state, gen, final)
-    if final.error:  # e.g. the session outgrew the KV pool after its first tokens
-        err = error_for(final)
-        err.counted = True  # finish() recorded it
-        raise err
+    text, final = await collect(state, gen)
     body = {
         "id": rid,
         "object": "chat.completion",
@@ -243,7 +238,7 @@ async def _chat_chunks(
     final: Event | None = None
     try:
         yield chunk({"role": "assistant", "content": ""}, None)
-        async for event in _replay(gen):
+        async for event in replay(gen):
             if event.text:
                 yield chunk({"content": event.text}, None)
             if event.finished:
@@ -270,14 +265,6 @@ async def _chat_chunks(
         yield sse("[DONE]")
     finally:
         finish(state, gen, final)
-
-
-async def _replay(gen: Generation) -> AsyncIterator[Event]:
-    assert gen.first is not None
-    yield gen.first
-    if not gen.first.finished:
-        async for event in gen.events:
-            yield event
 
 
 @post("/v1/completions", status_code=200)
@@ -310,12 +297,7 @@ async def completions(request: HttpRequest, data: CompletionRequest) -> Response
             media_type="text/event-stream",
             headers=_headers(req),
         )
-    text, final = await collect(gen)
-    finish(state, gen, final)
-    if final.error:  # e.g. the session outgrew the KV pool after its first tokens
-        err = error_for(final)
-        err.counted = True  # finish() recorded it
-        raise err
+    text, final = await collect(state, gen)
     body = {
         "id": rid,
         "object": "text_completion",
@@ -350,7 +332,7 @@ async def _completion_chunks(
         )
 
     try:
-        async for event in _replay(gen):
+        async for event in replay(gen):
             if event.finished:
                 final = event
                 if not event.error:
