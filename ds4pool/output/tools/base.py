@@ -1,0 +1,105 @@
+"""What every tool-call parser shares: the calls of one turn and the deltas they emit.
+
+A parser gets the content text of a turn (reasoning already split off) chunk by chunk and
+returns deltas: text outside calls as `TextDelta`, calls as `ToolCallStart` / `ToolCallArgs` /
+`ToolCallEnd`. A call is announced (`ToolCallStart`) only once its name is complete and names
+an offered tool; until then its text is held, and if it turns out malformed (bad JSON, unknown
+function) that text is given back as `TextDelta`. Once announced, a call is always closed, with
+the arguments parsed so far if the model's JSON breaks off.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from ds4pool.output.deltas import Delta, TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from ds4pool.output.jsonstream import MISSING, Malformed, Throttle, dumps, parse_partial
+from ds4pool.output.jsonstream import stable_prefix as _stable_prefix
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class Calls:
+    """The calls of one turn: indices in opening order, one stable id each."""
+
+    def __init__(self, tool_names: frozenset[str], make_id: Callable[[], str] = new_call_id):
+        self.tool_names = tool_names
+        self._make_id = make_id
+        self.num_started = 0
+        self.num_ended = 0
+
+    def known(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.tool_names
+
+    def open(self, name: str) -> CallStream:
+        call = CallStream(self.num_started, self._make_id(), name, self)
+        self.num_started += 1
+        return call
+
+
+class CallStream:
+    """One announced call: streams its arguments' stable prefix, then ends exactly once."""
+
+    def __init__(self, index: int, call_id: str, name: str, calls: Calls) -> None:
+        self.index = index
+        self.calls = calls
+        self.sent = ""  # argument text emitted so far
+        self.last: Any = {}  # the latest partial arguments (open strings cut where they stop)
+        self.start = ToolCallStart(index, call_id, name)
+        self._throttle = Throttle()
+
+    def stream(self, value: Any, finished: Any) -> list[Delta]:
+        """Emit what `value`/`finished` (partial arguments) add to the stable prefix."""
+        if not isinstance(value, dict) or not isinstance(finished, dict):
+            return []
+        self.last = value
+        prefix = _stable_prefix(value, finished)
+        if len(prefix) <= len(self.sent) or not prefix.startswith(self.sent):
+            return []
+        piece, self.sent = prefix[len(self.sent) :], prefix
+        return [ToolCallArgs(self.index, piece)]
+
+    def stream_text(self, raw: str, force: bool = False) -> list[Delta]:
+        """Stream the partial arguments JSON text `raw` (re-parsed when the throttle allows)."""
+        if not (force or self._throttle.due(len(raw))):
+            return []
+        try:
+            partial = parse_partial(raw)
+        except Malformed:
+            return []
+        return [] if partial is None else self.stream(partial.value, partial.finished)
+
+    def end(self, arguments: Any = MISSING) -> list[Delta]:
+        """Close the call with its final arguments (the last partial ones when MISSING or not
+        an object). The last chunk completes the streamed text to the final JSON."""
+        args = arguments if isinstance(arguments, dict) else self.last
+        final = dumps(args)
+        out: list[Delta] = []
+        if final.startswith(self.sent) and len(final) > len(self.sent):
+            out.append(ToolCallArgs(self.index, final[len(self.sent) :]))
+        self.calls.num_ended += 1
+        return [*out, ToolCallEnd(self.index, final)]
+
+
+class ToolParser(ABC):
+    """Content text of one turn → text and tool-call deltas."""
+
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Delta]:
+        """Deltas for the next chunk; a partial marker or an undecided call is held."""
+
+    @abstractmethod
+    def finish(self) -> list[Delta]:
+        """Flush held text; close an announced call that the output left open."""
+
+
+def text(piece: str) -> list[Delta]:
+    return [TextDelta(piece)] if piece else []

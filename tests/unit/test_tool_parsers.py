@@ -1,0 +1,187 @@
+"""Each tool-call format, fed as text in many chunkings: calls, arguments, malformed output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds4pool.output.deltas import TextDelta, ToolCallArgs, ToolCallStart
+from tests.unit.output_helpers import (
+    calls_of,
+    check_contract,
+    feed_chunks,
+    random_chunks,
+    text_of,
+    tool_processor,
+)
+
+PARIS = {"city": "Paris", "days": 3, "units": None, "tags": ["a", "b"], "deep": {"x": 1.5}}
+CODE = {"path": "a.py", "content": 'def f():\n    return {"k": [1, 2]}  # ünï 😀\n'}
+
+
+def hermes(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def deepseek(*calls: tuple[str, dict]) -> str:
+    body = "\n".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{json.dumps(a)}\n```"
+        "<｜tool▁call▁end｜>"
+        for n, a in calls
+    )
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+CASES = {
+    "hermes": (
+        "Let me check.\n\n" + hermes("get_weather", PARIS) + "\n" + hermes("write_file", CODE),
+        "Let me check.\n\n",
+    ),
+    "llama3_json": (
+        "<|python_tag|>"
+        + json.dumps({"name": "get_weather", "parameters": PARIS})
+        + "; "
+        + json.dumps({"name": "write_file", "parameters": CODE}),
+        "",
+    ),
+    "mistral": (
+        "[TOOL_CALLS]"
+        + json.dumps(
+            [{"name": "get_weather", "arguments": PARIS}, {"name": "write_file", "arguments": CODE}]
+        ),
+        "",
+    ),
+    "deepseek_v3": (
+        "I'll look." + deepseek(("get_weather", PARIS), ("write_file", CODE)),
+        "I'll look.",
+    ),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+@pytest.mark.parametrize("seed", range(12))
+def test_two_calls_in_any_chunking(fmt: str, seed: int) -> None:
+    text, before = CASES[fmt]
+    chunks = [text] if seed == 0 else random_chunks(text, seed)
+    deltas = feed_chunks(tool_processor(fmt), chunks)
+    msg = check_contract(deltas)
+    assert calls_of(msg) == [("get_weather", PARIS), ("write_file", CODE)]
+    assert msg.text == before
+    assert msg.finish is not None and msg.finish.reason == "tool_calls"
+    assert len({c.id for c in msg.tool_calls}) == 2
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_character_by_character_streams_arguments_as_they_grow(fmt: str) -> None:
+    text, _ = CASES[fmt]
+    deltas = feed_chunks(tool_processor(fmt), list(text))
+    check_contract(deltas)
+    pieces = [d.text for d in deltas if isinstance(d, ToolCallArgs) and d.index == 1]
+    # the file content streams in many pieces, not in one chunk at the end
+    assert len(pieces) > 10
+    assert "".join(pieces) == json.dumps(CODE, ensure_ascii=False)
+
+
+def test_mistral_v11_named_calls() -> None:
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]read_file[ARGS]{"path": "x"}'
+    for seed in range(8):
+        msg = check_contract(feed_chunks(tool_processor("mistral"), random_chunks(text, seed)))
+        assert calls_of(msg) == [("get_weather", {"city": "Paris"}), ("read_file", {"path": "x"})]
+
+
+def test_deepseek_v31_calls_without_a_fence() -> None:
+    text = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    msg = check_contract(feed_chunks(tool_processor("deepseek_v3"), list(text)))
+    assert calls_of(msg) == [("get_weather", {"city": "Oslo"})]
+
+
+MALFORMED = {
+    "hermes": [
+        '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # not offered
+        "<tool_call>not json at all</tool_call> and more",
+        '<tool_call>\n{"name": "get_wea',  # cut before the name is complete
+    ],
+    "llama3_json": [
+        '{"name": "rm_rf", "parameters": {}}',
+        '{"name": 5, "parameters": {}}',
+        "{not json}",
+        "The answer is {x}",
+    ],
+    "mistral": [
+        '[TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]',
+        "[TOOL_CALLS] is a marker",
+        "[TOOL_CALLS][oops",
+    ],
+    "deepseek_v3": [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>rm_rf\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "<｜tool▁calls▁begin｜>garbage",
+    ],
+}
+
+
+@pytest.mark.parametrize(("fmt", "text"), [(f, t) for f, ts in MALFORMED.items() for t in ts])
+def test_malformed_calls_stay_text(fmt: str, text: str) -> None:
+    for chunks in ([text], list(text), random_chunks(text, 3)):
+        deltas = feed_chunks(tool_processor(fmt), chunks)
+        msg = check_contract(deltas)
+        assert msg.tool_calls == []
+        assert text_of(deltas) == text
+        assert msg.finish is not None and msg.finish.reason == "stop"
+
+
+def test_json_broken_after_a_valid_name() -> None:
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": }\n</tool_call>'
+    )
+    # seen whole (a non-streaming response) it is no call: text
+    deltas = feed_chunks(tool_processor("hermes"), [text])
+    assert check_contract(deltas).tool_calls == [] and text_of(deltas) == text
+    # streamed, the call was announced once its name was complete: it ends with what parsed
+    msg = check_contract(feed_chunks(tool_processor("hermes"), list(text)))
+    assert calls_of(msg) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_unknown_name_is_given_back_as_soon_as_it_is_complete() -> None:
+    proc = tool_processor("hermes")
+    out = proc.feed('<tool_call>\n{"name": "rm_rf", ')
+    assert text_of(out) == '<tool_call>\n{"name": "rm_rf", '
+
+
+def test_text_is_held_only_while_it_may_start_a_marker() -> None:
+    proc = tool_processor("hermes")
+    assert proc.feed("Hello <tool_") == [TextDelta("Hello ")]
+    assert proc.feed("kit") == [TextDelta("<tool_kit")]
+    assert proc.feed(" <") == [TextDelta(" ")]
+    out = proc.feed('tool_call>{"name": "read_file"')
+    assert out[0] == TextDelta("") or isinstance(out[0], ToolCallStart)
+    assert [d for d in out if isinstance(d, ToolCallStart)][0].name == "read_file"
+
+
+def test_text_between_calls_and_blank_space_after_them() -> None:
+    text = (
+        hermes("read_file", {"path": "a"})
+        + "\n\nthen\n"
+        + hermes("read_file", {"path": "b"})
+        + "\n\n"
+    )
+    msg = check_contract(feed_chunks(tool_processor("hermes"), list(text)))
+    assert [p.kind for p in msg.parts] == ["tool_call", "text", "tool_call"]
+    assert msg.text == "\n\nthen\n"
+
+
+def test_a_call_cut_by_max_tokens_is_closed_with_what_was_written() -> None:
+    text = '<tool_call>\n{"name": "write_file", "arguments": {"path": "a.py", "content": "x = 1'
+    deltas = feed_chunks(tool_processor("hermes"), list(text), reason="length")
+    msg = check_contract(deltas)
+    assert calls_of(msg) == [("write_file", {"path": "a.py", "content": "x = 1"})]
+    assert msg.finish is not None and msg.finish.reason == "length"
+
+
+def test_arguments_written_as_a_json_string() -> None:
+    text = '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"a\\"}"}</tool_call>'
+    msg = check_contract(feed_chunks(tool_processor("hermes"), [text]))
+    assert calls_of(msg) == [("read_file", {"path": "a"})]
