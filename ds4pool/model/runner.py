@@ -112,9 +112,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, self.batch, default_buckets(max_decode_batch)
+                self.model,
+                self.kv_caches,
+                self.batch,
+                default_buckets(max_decode_batch),
+                cfg.vocab_size,
+                loaded.dtype,
             )
-            self.graphs.capture()
 
     @staticmethod
     def blocks_for_bytes(loaded: LoadedModel, block_size: int, nbytes: int) -> int:
@@ -183,7 +187,7 @@ class ModelRunner:
         )
         if bucket is not None:
             assert self.graphs is not None
-            return self.graphs.replay(bucket)[:n]
+            return self.graphs.replay(bucket, max_ctx)[:n]
         meta = self.batch.metadata(n, max_ctx)
         hidden = self.model(self.batch.input_ids[:n], self.kv_caches, meta)  # [B, E]
         return self.model.compute_logits(hidden)
