@@ -43,6 +43,8 @@ CASES: dict[str, Case] = {
     "decode_g4_d128_splitk_tiles": Case(
         "decode", [5, 77, 130], head_dim=128, block_n=32, partition_size=64, strided_q=True
     ),
+    # more partitions (19) than the reduce kernel's chunk of 16
+    "decode_reduce_chunks": Case("decode", [300, 2, 161], heads=4, partition_size=16),
     # one partition: the main kernel writes the output itself (incl. zeros for context 0)
     "decode_g8_bs32_direct": Case("decode", [33, 0, 64, 91], kv_heads=1, block_size=32, block_n=64),
     "decode_window_splitk": Case(

@@ -16,7 +16,8 @@ grid (B, H_kv, P). Each program runs an online softmax over its partition with a
 [G padded to 16, D] against k tiles [BLOCK_N, D] (tensor-core tl.dot), and writes a partial
 output normalised by its own sum plus the partition's log-sum-exp. A small reduce kernel,
 grid (B, H), combines the P partials with weights exp(lse_p - max lse). When P == 1 the main
-kernel writes the output directly and no reduce runs.
+kernel writes the output directly and no reduce runs. P is a runtime argument (only "P > 1"
+is a compile-time flag), so new context buckets do not recompile the kernels.
 
 Prefill is compute bound: flash-attention tiles of BLOCK_M query rows x BLOCK_N keys, where
 the M rows fold BLOCK_M // G query tokens x G heads of one kv head (row m is token m // G,
@@ -139,6 +140,7 @@ def _decode_kernel(
     stride_tb,
     stride_ob,
     stride_oh,
+    num_parts,
     H: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -147,7 +149,7 @@ def _decode_kernel(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
-    NUM_PARTS: tl.constexpr,
+    SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -162,7 +164,7 @@ def _decode_kernel(
     p_start = part * PARTITION
     p_end = tl.minimum(p_start + PARTITION, ctx)
     first = tl.maximum(p_start, lo)
-    if NUM_PARTS > 1:
+    if SPLIT:
         # the reduce kernel skips these partitions by the same test; with one partition the
         # program owns the output row and writes zeros for an empty context instead
         if p_end <= first:
@@ -195,7 +197,7 @@ def _decode_kernel(
         )
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, PRECISION)
 
-    if NUM_PARTS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -203,7 +205,7 @@ def _decode_kernel(
         # every tile saw >= 1 visible key, so l_i > 0 on the real head rows
         o = acc / l_i[:, None]
         lse = m_i + tl.log2(l_i)  # [G_PAD], log2 units
-        slot = (b * H + heads) * NUM_PARTS + part  # [G_PAD] into [B, H, P]
+        slot = (b * H + heads) * num_parts + part  # [G_PAD] into [B, H, P]
         tl.store(part_out_ptr + slot[:, None] * D + d[None, :], o, mask=row_mask)
         tl.store(part_lse_ptr + slot, lse, mask=g < G)
 
@@ -217,12 +219,11 @@ def _decode_reduce_kernel(
     window,
     stride_ob,
     stride_oh,
+    num_parts,
     H: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PARTITION: tl.constexpr,
-    NUM_PARTS: tl.constexpr,
-    P_PAD: tl.constexpr,
     P_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr,
 ):
@@ -232,31 +233,37 @@ def _decode_reduce_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
-    base = (b * H + h) * NUM_PARTS
-    # partition p ran iff its range [p*PARTITION, (p+1)*PARTITION) meets [lo, ctx)
-    p = tl.arange(0, P_PAD)
-    ran = (p < NUM_PARTS) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
-    lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))  # [P_PAD]
-    top = tl.max(lse, 0)
+    base = (b * H + h) * num_parts
+    # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
+    # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials
+    top_c = tl.full([P_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_parts, P_CHUNK):
+        p = c + tl.arange(0, P_CHUNK)
+        # partition p ran iff [p * PARTITION, (p + 1) * PARTITION) meets [lo, ctx)
+        ran = (p < num_parts) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
+        lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))
+        top_c = tl.maximum(top_c, lse)
+    top = tl.max(top_c, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.where(ran, tl.exp2(lse - top), 0.0), 0)
 
     d = tl.arange(0, D_PAD)
     d_mask = d < D
     acc = tl.zeros([D_PAD], tl.float32)
-    # chunks of partials keep the [P_CHUNK, D] tile in registers for long contexts
-    for c in range(0, NUM_PARTS, P_CHUNK):
-        pc = c + tl.arange(0, P_CHUNK)
-        ran_c = (pc < NUM_PARTS) & (pc * PARTITION < ctx) & ((pc + 1) * PARTITION > lo)
-        lse_c = tl.load(part_lse_ptr + base + pc, mask=ran_c, other=float("-inf"))
-        w = tl.where(ran_c, tl.exp2(lse_c - top), 0.0)  # [P_CHUNK]
+    total = tl.zeros([P_CHUNK], tl.float32)
+    for c in range(0, num_parts, P_CHUNK):
+        p = c + tl.arange(0, P_CHUNK)
+        ran = (p < num_parts) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
+        lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))
+        w = tl.where(ran, tl.exp2(lse - top), 0.0)  # [P_CHUNK]
         o = tl.load(
-            part_out_ptr + (base + pc)[:, None] * D + d[None, :],
-            mask=ran_c[:, None] & d_mask[None, :],
+            part_out_ptr + (base + p)[:, None] * D + d[None, :],
+            mask=ran[:, None] & d_mask[None, :],
             other=0.0,
         )  # [P_CHUNK, D_PAD]
         acc += tl.sum(w[:, None] * o, 0)
-    res = acc / tl.where(total > 0.0, total, 1.0)  # an empty context (padding row) gives zeros
+        total += w
+    denom = tl.sum(total, 0)
+    res = acc / tl.where(denom > 0.0, denom, 1.0)  # an empty context (padding row) gives zeros
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -327,18 +334,17 @@ def paged_decode(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_parts,
         H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
-        BLOCK_N=launch.block_n, PARTITION=partition_size, NUM_PARTS=num_parts,
+        BLOCK_N=launch.block_n, PARTITION=partition_size, SPLIT=num_parts > 1,
         USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_parts == 1:
         return
     _decode_reduce_kernel[(batch, n_heads)](
-        part_out, part_lse, context_lens, out, window, out.stride(0), out.stride(1),
-        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, NUM_PARTS=num_parts,
-        P_PAD=triton.next_power_of_2(num_parts), P_CHUNK=min(16, triton.next_power_of_2(num_parts)),
+        part_out, part_lse, context_lens, out, window, out.stride(0), out.stride(1), num_parts,
+        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, P_CHUNK=16,
         USE_WINDOW=window > 0, num_warps=4,
     )  # fmt: skip
 
