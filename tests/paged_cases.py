@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ds4pool.model.attention import TorchPagedAttention, build_metadata
+
 
 @dataclass(frozen=True)
 class PagedCase:
@@ -90,6 +92,19 @@ def reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tenso
         scores = scores.masked_fill(~seen[None], float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)
     return out
+
+
+def torch_reference(case: PagedCase, window: int | None = None) -> torch.Tensor:
+    """TorchPagedAttention.forward over the case's cache (its K/V write is a no-op rewrite)."""
+    block_size = case.cache.shape[2]
+    tables = case.block_tables.tolist()
+    ctx = case.context_lens.tolist()
+    tables = [row[: -(-c // block_size)] for row, c in zip(tables, ctx)]
+    meta = build_metadata(case.query_lens, ctx, tables, block_size, case.q.device, window)
+    h_kv, d = case.cache.shape[3], case.cache.shape[4]
+    k = case.cache[0].reshape(-1, h_kv, d)[meta.slot_mapping]
+    v = case.cache[1].reshape(-1, h_kv, d)[meta.slot_mapping]
+    return TorchPagedAttention().forward(case.q, k, v, case.cache, meta, case.scale)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

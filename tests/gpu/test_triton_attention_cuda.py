@@ -9,25 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4pool.model.attention import TorchPagedAttention, build_metadata
-from tests.paged_cases import PagedCase, make_case, reference, rel_err
+from tests.paged_cases import PagedCase, make_case, reference, rel_err, torch_reference
 
 pytestmark = pytest.mark.cuda
 ta = pytest.importorskip("ds4pool.model.kernels.triton_attention")
 
 LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128)
-
-
-def torch_reference(case: PagedCase, block_size: int, window: int | None) -> torch.Tensor:
-    """TorchPagedAttention.forward over the case's cache (its K/V write is a no-op rewrite)."""
-    tables = case.block_tables.tolist()
-    ctx = case.context_lens.tolist()
-    tables = [row[: -(-c // block_size)] for row, c in zip(tables, ctx)]
-    meta = build_metadata(case.query_lens, ctx, tables, block_size, case.q.device, window)
-    h_kv, d = case.cache.shape[3], case.cache.shape[4]
-    k = case.cache[0].reshape(-1, h_kv, d)[meta.slot_mapping]
-    v = case.cache[1].reshape(-1, h_kv, d)[meta.slot_mapping]
-    return TorchPagedAttention().forward(case.q, k, v, case.cache, meta, case.scale)
 
 
 def run_decode(case: PagedCase, window: int | None = None, **kwargs: object) -> torch.Tensor:
@@ -64,7 +51,7 @@ def test_decode_matches_torch_backend(
     case = make_case([1] * len(ctx), ctx, **shape, block_size=block_size, dtype=torch.bfloat16,
                      device="cuda", seed=block_size)  # fmt: skip
     out = run_decode(case, window, partition_size=partition)
-    ref = torch_reference(case, block_size, window)
+    ref = torch_reference(case, window)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.double().cpu()) < 1e-2
 
@@ -90,7 +77,7 @@ def test_prefill_mixed_step_matches_torch_backend(window: int | None) -> None:
     case = make_case(q_lens, ctx, **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
                      device="cuda")  # fmt: skip
     out = run_prefill(case, window)
-    ref = torch_reference(case, 16, window)
+    ref = torch_reference(case, window)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.double().cpu()) < 1e-2
 
@@ -98,7 +85,7 @@ def test_prefill_mixed_step_matches_torch_backend(window: int | None) -> None:
 def test_prefill_d64_block32() -> None:
     case = make_case([200, 1, 64], [333, 100, 64], heads=8, kv_heads=2, head_dim=64,
                      block_size=32, dtype=torch.float16, device="cuda")  # fmt: skip
-    ref = torch_reference(case, 32, None)
+    ref = torch_reference(case)
     assert rel_err(run_prefill(case), ref.double().cpu()) < 1e-2
 
 
