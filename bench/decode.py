@@ -157,11 +157,11 @@ def main() -> None:
     read_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)
     kv_per_token = cfg.kv_bytes_per_token(dtype.itemsize)
     bs = 16
-    longest = max(args.prompt_len + args.steps + 2, args.prefill)
-    per_seq = -(-longest // bs)
+    per_seq = -(-(args.prompt_len + args.steps + 2) // bs)
+    num_blocks = max(per_seq * max(args.batch), -(-args.prefill // bs)) + 1
     runner = ModelRunner(
         loaded,
-        num_blocks=per_seq * max(args.batch) + 1,
+        num_blocks=num_blocks,
         block_size=bs,
         backend=args.backend,
         cuda_graphs=not args.no_cuda_graphs,
