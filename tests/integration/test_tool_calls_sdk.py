@@ -16,6 +16,8 @@ from ds4pool.model.loader import LoadedModel, load_model
 from tests.integration.conftest import Server
 from tests.real_tokenizers import real_tokenizer_dir
 
+pytest.importorskip("ds4pool.model.scripted", reason="needs the scripted test model")
+
 PARIS = {"city": "Paris", "units": "celsius"}
 CODE = {"path": "notes/todo.md", "content": '# TODO\n- ship "tool calls" ✅\n'}
 REASONING = "The user wants the weather, and a note written."
