@@ -185,3 +185,60 @@ def test_arguments_written_as_a_json_string() -> None:
     text = '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"a\\"}"}</tool_call>'
     msg = check_contract(feed_chunks(tool_processor("hermes"), [text]))
     assert calls_of(msg) == [("read_file", {"path": "a"})]
+
+
+FRAGMENTS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+    "function",
+    "\n```json\n",
+    "```",
+    '{"name": "read_file", "arguments": {"path": "a"}}',
+    '{"name": "read_file", "parameters": {',
+    '[{"name": "get_weather", "arguments": {"city": "X"}}',
+    '"name"',
+    '"read_file"',
+    ": ",
+    ", ",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    "\\u00",
+    "1.5e",
+    "true",
+    "nul",
+    ";",
+    "\n",
+    "get_weather",
+    "text ",
+    "😀",
+    "<",
+    "\ud83d",
+]
+
+
+@pytest.mark.parametrize("fmt", sorted(CASES))
+def test_garbage_never_breaks_the_contract(fmt: str) -> None:
+    """Whatever the model writes: no exception, the delta guarantees hold, arguments are
+    JSON objects, and text that is no call comes back as text."""
+    import random
+
+    rng = random.Random(fmt)
+    for _ in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 25)))
+        for chunks in ([text], list(text), random_chunks(text, rng.randint(0, 99))):
+            deltas = feed_chunks(tool_processor(fmt), chunks, rng.choice(["stop", "length"]))
+            msg = check_contract(deltas)
+            if not msg.tool_calls:
+                assert text_of(deltas) == text
