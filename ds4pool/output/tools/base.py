@@ -16,8 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ds4pool.output.deltas import Delta, TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
-from ds4pool.output.jsonstream import MISSING, Malformed, Throttle, dumps, parse_partial
-from ds4pool.output.jsonstream import stable_prefix as _stable_prefix
+from ds4pool.output.jsonstream import (
+    MISSING,
+    Growing,
+    Malformed,
+    Throttle,
+    dumps,
+    growing_prefix,
+    parse_growing,
+    stable_prefix,
+)
 
 
 def new_call_id() -> str:
@@ -54,25 +62,34 @@ class CallStream:
         self._throttle = Throttle()
 
     def stream(self, value: Any, finished: Any) -> list[Delta]:
-        """Emit what `value`/`finished` (partial arguments) add to the stable prefix."""
+        """Emit what `value`/`finished` (partial arguments, see parse_partial) add."""
         if not isinstance(value, dict) or not isinstance(finished, dict):
             return []
+        return self._emit(value, stable_prefix(value, finished))
+
+    def stream_growing(self, value: Any, open_string: bool) -> list[Delta]:
+        """Emit what `value` (partial arguments, see parse_growing) adds."""
+        if not isinstance(value, dict):
+            return []
+        return self._emit(value, growing_prefix(value, open_string))
+
+    def due(self, length: int) -> bool:
+        """Whether a body of `length` chars is worth re-parsing now (see Throttle)."""
+        return self._throttle.due(length)
+
+    def stream_text(self, raw: str, force: bool = False) -> list[Delta]:
+        """Stream the partial arguments JSON text `raw` (re-parsed when the throttle allows)."""
+        if not (force or self.due(len(raw))):
+            return []
+        grown = _growing(raw)
+        return [] if grown is None else self.stream_growing(grown.value, grown.open_string)
+
+    def _emit(self, value: dict, prefix: str) -> list[Delta]:
         self.last = value
-        prefix = _stable_prefix(value, finished)
         if len(prefix) <= len(self.sent) or not prefix.startswith(self.sent):
             return []
         piece, self.sent = prefix[len(self.sent) :], prefix
         return [ToolCallArgs(self.index, piece)]
-
-    def stream_text(self, raw: str, force: bool = False) -> list[Delta]:
-        """Stream the partial arguments JSON text `raw` (re-parsed when the throttle allows)."""
-        if not (force or self._throttle.due(len(raw))):
-            return []
-        try:
-            partial = parse_partial(raw)
-        except Malformed:
-            return []
-        return [] if partial is None else self.stream(partial.value, partial.finished)
 
     def end(self, arguments: Any = MISSING) -> list[Delta]:
         """Close the call with its final arguments (the last partial ones when MISSING or not
@@ -99,6 +116,25 @@ class ToolParser(ABC):
     @abstractmethod
     def finish(self) -> list[Delta]:
         """Flush held text; close an announced call that the output left open."""
+
+
+def _growing(raw: str) -> Growing | None:
+    try:
+        return parse_growing(raw)
+    except Malformed:
+        return None
+
+
+def stream_body(call: CallStream, body: str, force: bool = False) -> list[Delta]:
+    """Stream the arguments of an announced call whose partial JSON object body (name and
+    "arguments" or "parameters") is `body`, when the throttle allows."""
+    if not (force or call.due(len(body))):
+        return []
+    grown = _growing(body)
+    if grown is None or not isinstance(grown.value, dict):
+        return []
+    args = grown.value.get("arguments", grown.value.get("parameters"))
+    return call.stream_growing(args, grown.open_string)
 
 
 def text(piece: str) -> list[Delta]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from ds4pool.output.deltas import Delta
-from ds4pool.output.jsonstream import MISSING, Malformed, Throttle, parse_complete, parse_partial
+from ds4pool.output.jsonstream import MISSING, Malformed, parse_complete, parse_partial
 from ds4pool.output.markers import partial_suffix
-from ds4pool.output.tools.base import Calls, CallStream
+from ds4pool.output.tools.base import Calls, CallStream, stream_body
 from ds4pool.output.tools.block import BlockParser
 
 END = "</tool_call>"
@@ -41,7 +41,6 @@ class HermesParser(BlockParser):
 
     def _enter(self) -> None:
         self._call: CallStream | None = None
-        self._throttle = Throttle()
 
     def _block(self, out: list[Delta], final: bool) -> bool:
         end = self._buf.find(END)
@@ -50,37 +49,31 @@ class HermesParser(BlockParser):
             consumed = len(self._buf) if end < 0 else end + len(END)
             return self._complete(out, body, consumed)
         body = self._buf[: len(self._buf) - partial_suffix(self._buf, (END,))]
-        if not self._throttle.due(len(body)) and self._call is not None:
+        if self._call is not None:
+            out += stream_body(self._call, body)
             return False
         try:
             partial = parse_partial(body)
         except Malformed:
-            return False if self._call is not None else self._reject(out)
+            return self._reject(out)
         if partial is None:
             return False
         if not isinstance(partial.finished, dict):
-            return False if self._call is not None else self._reject(out)
-        if self._call is None:
-            name = partial.finished.get("name")
-            if name is None:
-                return False
-            if not self.calls.known(name):
-                return self._reject(out)
-            self._call = self.calls.open(name)
-            out.append(self._call.start)
+            return self._reject(out)
+        name = partial.finished.get("name")
+        if name is None:
+            return False
+        if not self.calls.known(name):
+            return self._reject(out)
+        self._call = self.calls.open(name)
+        out.append(self._call.start)
         out += self._call.stream(arguments_of(partial.value), arguments_of(partial.finished))
         return False
 
     def _complete(self, out: list[Delta], body: str, consumed: int) -> bool:
         obj = parse_complete(body)
         if obj is MISSING and self._call is not None:  # cut off or broken: what parsed
-            try:
-                partial = parse_partial(body)
-            except Malformed:
-                partial = None
-            if partial is not None:
-                value, finished = arguments_of(partial.value), arguments_of(partial.finished)
-                out += self._call.stream(value, finished)
+            out += stream_body(self._call, body, force=True)
         if self._call is None:
             if not valid_call(obj, self.calls):
                 return self._reject(out)

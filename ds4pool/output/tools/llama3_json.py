@@ -8,8 +8,8 @@ import json
 from enum import Enum
 
 from ds4pool.output.deltas import Delta
-from ds4pool.output.jsonstream import Malformed, Throttle, parse_partial
-from ds4pool.output.tools.base import Calls, CallStream, ToolParser, text
+from ds4pool.output.jsonstream import Malformed, parse_partial
+from ds4pool.output.tools.base import Calls, CallStream, ToolParser, stream_body, text
 from ds4pool.output.tools.hermes import arguments_of, call_arguments, valid_call
 
 PYTHON_TAG = "<|python_tag|>"
@@ -29,7 +29,6 @@ class Llama3JsonParser(ToolParser):
         self._buf = ""
         self._held = ""  # text of the current call before it was announced (given back if bad)
         self._call: CallStream | None = None
-        self._throttle = Throttle()
 
     def feed(self, chunk: str) -> list[Delta]:
         self._buf += chunk
@@ -101,27 +100,27 @@ class Llama3JsonParser(ToolParser):
                 self._call = self.calls.open(obj["name"])
                 out.append(self._call.start)
             out += self._call.end(call_arguments(obj) if isinstance(obj, dict) else None)
-            self._call, self._held, self._throttle = None, "", Throttle()
+            self._call, self._held = None, ""
             self._buf = body[end:]
 
     def _stream(self, out: list[Delta], body: str, final: bool) -> bool:
         """Announce and stream the incomplete call in `body`; False if it is no call."""
-        if self._call is not None and not (final or self._throttle.due(len(body))):
+        if self._call is not None:
+            out += stream_body(self._call, body, force=final)
             return True
         try:
             partial = parse_partial(body)
         except Malformed:
-            return self._call is not None
+            return False
         if partial is None or not isinstance(partial.finished, dict):
-            return self._call is not None or partial is None
-        if self._call is None:
-            name = partial.finished.get("name")
-            if name is None:
-                return not final
-            if not self.calls.known(name):
-                return False
-            self._call = self.calls.open(name)
-            self._held = ""
-            out.append(self._call.start)
+            return partial is None
+        name = partial.finished.get("name")
+        if name is None:
+            return not final
+        if not self.calls.known(name):
+            return False
+        self._call = self.calls.open(name)
+        self._held = ""
+        out.append(self._call.start)
         out += self._call.stream(arguments_of(partial.value), arguments_of(partial.finished))
         return True
