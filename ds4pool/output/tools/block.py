@@ -22,13 +22,21 @@ class BlockParser(ToolParser):
         super().__init__(calls)
         self._buf = ""  # received, not consumed yet
         self._in_block = False
+        self._chunk = ""  # the latest chunk: a JSON value can only complete in the one closing it
 
     def feed(self, chunk: str) -> list[Delta]:
         self._buf += chunk
+        self._chunk = chunk
         return self._run(final=False)
 
     def finish(self) -> list[Delta]:
+        self._chunk = ""
         return self._run(final=True)
+
+    def _may_close(self, bracket: str, final: bool) -> bool:
+        """Whether a complete-value check (O(length)) can succeed now: only at the end or when
+        the latest chunk holds the closing bracket."""
+        return final or bracket in self._chunk
 
     def _run(self, final: bool) -> list[Delta]:
         out: list[Delta] = []

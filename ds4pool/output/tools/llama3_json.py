@@ -29,12 +29,15 @@ class Llama3JsonParser(ToolParser):
         self._buf = ""
         self._held = ""  # text of the current call before it was announced (given back if bad)
         self._call: CallStream | None = None
+        self._chunk = ""  # the latest chunk: an object can only complete in the one closing it
 
     def feed(self, chunk: str) -> list[Delta]:
         self._buf += chunk
+        self._chunk = chunk
         return self._run(final=False)
 
     def finish(self) -> list[Delta]:
+        self._chunk = ""
         return self._run(final=True)
 
     def _run(self, final: bool) -> list[Delta]:
@@ -85,6 +88,8 @@ class Llama3JsonParser(ToolParser):
                     self._call = None
                 return self._to_text(out)
             try:
+                if not (final or "}" in self._chunk):
+                    raise ValueError("not closed yet")  # raw_decode is O(length): skip it
                 obj, end = _decoder.raw_decode(body)
             except ValueError:
                 if not self._stream(out, body, final):

@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 
 from ds4pool.output.deltas import Delta
-from ds4pool.output.jsonstream import MISSING, Malformed, Partial, Throttle, parse_partial
+from ds4pool.output.jsonstream import (
+    MISSING,
+    Malformed,
+    Partial,
+    Throttle,
+    parse_growing,
+    parse_partial,
+)
 from ds4pool.output.markers import partial_suffix
 from ds4pool.output.tools.base import Calls, CallStream
 from ds4pool.output.tools.block import BlockParser
@@ -48,14 +55,13 @@ class MistralParser(BlockParser):
     # --- [{"name": ..., "arguments": ...}, ...] ------------------------------------------
 
     def _array(self, out: list[Delta], body: str, offset: int, final: bool) -> bool:
-        try:
-            items, end = _decoder.raw_decode(body)
-        except ValueError:
-            items, end = MISSING, -1
+        items, end = _complete_value(body) if self._may_close("]", final) else (MISSING, -1)
         if isinstance(items, list):
             self._update(out, Partial(items, items), complete=True)
             return self._leave(offset + end) if self._announced else self._reject(out)
         if not (final or self._throttle.due(len(body))):
+            return False
+        if self._open is not None and self._stream_open(out, body) and not final:
             return False
         try:
             partial = parse_partial(body)
@@ -73,6 +79,25 @@ class MistralParser(BlockParser):
                 self._open = None
             return self._leave(len(self._buf)) if self._announced else self._reject(out)
         return False
+
+    def _stream_open(self, out: list[Delta], body: str) -> bool:
+        """Stream the open element's arguments with the cheaper parse; True while it is still
+        the last element (False: it ended, or the parse failed, and the full parse decides)."""
+        assert self._open is not None
+        try:
+            grown = parse_growing(body)
+        except Malformed:
+            return False
+        if grown is None or not isinstance(grown.value, list) or len(grown.value) <= self._done:
+            return False
+        if len(grown.value) > self._done + 1:  # the next element began: this one is complete
+            out += self._open.end(call_arguments(grown.value[self._done]))
+            self._open = None
+            self._done += 1
+            return False
+        args = arguments_of(grown.value[self._done])
+        out += self._open.stream_growing(args, grown.open_string)
+        return True
 
     def _update(self, out: list[Delta], partial: Partial, complete: bool) -> None:
         """Open, stream and end the calls of the array's elements seen so far."""
@@ -120,10 +145,7 @@ class MistralParser(BlockParser):
     def _named_args(self, out: list[Delta], final: bool) -> bool:
         assert self._open is not None
         raw = self._buf.lstrip()
-        try:
-            args, end = _decoder.raw_decode(raw)
-        except ValueError:
-            args, end = MISSING, -1
+        args, end = _complete_value(raw) if self._may_close("}", final) else (MISSING, -1)
         if args is MISSING and not final:
             out += self._open.stream_text(raw)
             return False
@@ -132,3 +154,11 @@ class MistralParser(BlockParser):
         out += self._open.end(args)
         self._open, self._named = None, False
         return self._leave(len(self._buf) - len(raw) + end if end >= 0 else len(self._buf))
+
+
+def _complete_value(text: str) -> tuple[object, int]:
+    """(the complete JSON value `text` starts with, where it ends), (MISSING, -1) if none."""
+    try:
+        return _decoder.raw_decode(text)
+    except ValueError:
+        return MISSING, -1
