@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "none")
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder", "none")
 REASONING_FORMATS = ("think", "none")
 
 
@@ -22,6 +22,8 @@ def detect_tool_format(chat_template: str, vocab: Container[str]) -> str:
         return "deepseek_v3"
     if has("[TOOL_CALLS]"):
         return "mistral"
+    if "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"  # Qwen3-Coder: XML calls inside <tool_call>
     if has("<tool_call>"):
         return "hermes"
     if has("<|python_tag|>") or ('"parameters"' in chat_template and "<|eot_id|>" in chat_template):

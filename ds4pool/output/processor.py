@@ -32,7 +32,9 @@ from ds4pool.output.tools import PARSERS, Calls, ToolParser
 class OutputConfig:
     """Server-wide choice of parsers (`--tool-parser`, `--reasoning-parser`)."""
 
-    tool_parser: str = "auto"  # auto | hermes | llama3_json | mistral | deepseek_v3 | none
+    tool_parser: str = (
+        "auto"  # auto | hermes | llama3_json | mistral | deepseek_v3 | qwen3_coder | none
+    )
     reasoning_parser: str = "auto"  # auto | think | none
 
     def __post_init__(self) -> None:
@@ -128,6 +130,24 @@ def tool_names(tools: list[Any] | None) -> frozenset[str]:
     return frozenset(names)
 
 
+def parameter_types(tools: list[Any] | None) -> dict[str, dict[str, str]]:
+    """tool name → parameter → its JSON-schema "type" (where it is one string)."""
+    out: dict[str, dict[str, str]] = {}
+    for tool in tools or ():
+        spec = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            continue
+        params = spec.get("parameters")
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if isinstance(props, Mapping):
+            out[spec["name"]] = {
+                key: prop["type"]
+                for key, prop in props.items()
+                if isinstance(prop, Mapping) and isinstance(prop.get("type"), str)
+            }
+    return out
+
+
 def resolve_formats(cfg: OutputConfig, tokenizer: Any) -> tuple[str, str]:
     """(tool format, reasoning format) for the model: the configured ones, or for "auto"
     the ones its chat template and added tokens imply."""
@@ -160,5 +180,5 @@ def build_processor(
     parser = None
     names = tool_names(tools)
     if names and tool_format != "none":
-        parser = PARSERS[tool_format](Calls(names))
+        parser = PARSERS[tool_format](Calls(names, param_types=parameter_types(tools)))
     return OutputProcessor(splitter, parser)

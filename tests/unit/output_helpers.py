@@ -20,10 +20,21 @@ from ds4pool.output.processor import OutputProcessor
 from ds4pool.output.tools import PARSERS, Calls
 
 TOOLS = ("get_weather", "read_file", "write_file")
+# the schema types of the tools' parameters (formats with untyped values need them)
+PARAM_TYPES = {
+    "get_weather": {
+        "city": "string",
+        "days": "integer",
+        "units": "null",
+        "tags": "array",
+        "deep": "object",
+    },
+    "write_file": {"path": "string", "content": "string"},
+}
 
 
 def tool_processor(fmt: str, names: Iterable[str] = TOOLS) -> OutputProcessor:
-    return OutputProcessor(tools=PARSERS[fmt](Calls(frozenset(names))))
+    return OutputProcessor(tools=PARSERS[fmt](Calls(frozenset(names), param_types=PARAM_TYPES)))
 
 
 def feed_chunks(proc: OutputProcessor, chunks: Iterable[str], reason: str = "stop") -> list[Delta]:

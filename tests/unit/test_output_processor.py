@@ -40,6 +40,8 @@ def test_auto_detection_from_real_templates_and_tokens() -> None:
     assert found["llama3_1"] == ("none", "none")
     assert detect_tool_format("", {"<|python_tag|>"}) == "llama3_json"
     assert detect_tool_format("", {"[TOOL_CALLS]"}) == "mistral"
+    coder = "<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>\n"  # Qwen3-Coder's
+    assert detect_tool_format(coder, {"<tool_call>"}) == "qwen3_coder"
 
 
 def test_qwen3_reasoning_then_two_tool_calls() -> None:

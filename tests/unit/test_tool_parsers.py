@@ -33,6 +33,15 @@ def deepseek(*calls: tuple[str, dict]) -> str:
     return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
 
 
+def qwen3_coder(name: str, args: dict) -> str:
+    """As Qwen3-Coder's template writes a call (strings raw, other values as JSON)."""
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        for k, v in args.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
 CASES = {
     "hermes": (
         "Let me check.\n\n" + hermes("get_weather", PARIS) + "\n" + hermes("write_file", CODE),
@@ -55,6 +64,10 @@ CASES = {
     "deepseek_v3": (
         "I'll look." + deepseek(("get_weather", PARIS), ("write_file", CODE)),
         "I'll look.",
+    ),
+    "qwen3_coder": (
+        "Sure:\n" + qwen3_coder("get_weather", PARIS) + "\n" + qwen3_coder("write_file", CODE),
+        "Sure:\n",
     ),
 }
 
@@ -100,6 +113,11 @@ def test_deepseek_v31_calls_without_a_fence() -> None:
 
 
 MALFORMED = {
+    "qwen3_coder": [
+        "<tool_call>\n<function=rm_rf>\n</function>\n</tool_call>",
+        '<tool_call>\n{"name": "read_file", "arguments": {}}\n</tool_call>',
+        "<tool_call> is how I call tools",
+    ],
     "hermes": [
         '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',  # not offered
         "<tool_call>not json at all</tool_call> and more",
@@ -121,6 +139,20 @@ MALFORMED = {
         "<｜tool▁calls▁begin｜>garbage",
     ],
 }
+
+
+def test_qwen3_coder_values_typed_by_the_schema() -> None:
+    args = {"city": "42", "days": "3", "tags": "not json", "units": "True"}
+    msg = check_contract(
+        feed_chunks(tool_processor("qwen3_coder"), list(qwen3_coder("get_weather", args)))
+    )
+    # city is a string even if it looks like a number; tags is not JSON: kept as text;
+    # Python's True (what the template prints for a bool) is true
+    expected = {"city": "42", "days": 3, "tags": "not json", "units": True}
+    assert calls_of(msg) == [("get_weather", expected)]
+    text = qwen3_coder("read_file", {"path": "a", "n": "7"})  # no schema: values are text
+    msg = check_contract(feed_chunks(tool_processor("qwen3_coder"), [text]))
+    assert calls_of(msg) == [("read_file", {"path": "a", "n": "7"})]
 
 
 @pytest.mark.parametrize(("fmt", "text"), [(f, t) for f, ts in MALFORMED.items() for t in ts])
@@ -190,6 +222,11 @@ def test_arguments_written_as_a_json_string() -> None:
 
 
 FRAGMENTS = [
+    "<function=get_weather>",
+    "<parameter=days>",
+    "<parameter=city>",
+    "</parameter>",
+    "</function>",
     "<tool_call>",
     "</tool_call>",
     "<|python_tag|>",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ds4pool.output.deltas import Delta, TextDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
@@ -35,8 +35,15 @@ def new_call_id() -> str:
 class Calls:
     """The calls of one turn: indices in opening order, one stable id each."""
 
-    def __init__(self, tool_names: frozenset[str], make_id: Callable[[], str] = new_call_id):
+    def __init__(
+        self,
+        tool_names: frozenset[str],
+        make_id: Callable[[], str] = new_call_id,
+        param_types: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
         self.tool_names = tool_names
+        # tool → parameter → JSON-schema type, for formats that write values untyped (XML)
+        self.param_types = param_types or {}
         self._make_id = make_id
         self.num_started = 0
         self.num_ended = 0
@@ -83,6 +90,18 @@ class CallStream:
             return []
         grown = _growing(raw)
         return [] if grown is None else self.stream_growing(grown.value, grown.open_string)
+
+    def append(self, piece: str) -> list[Delta]:
+        """Emit argument text the parser wrote itself (it keeps the whole a JSON object)."""
+        if not piece:
+            return []
+        self.sent += piece
+        return [ToolCallArgs(self.index, piece)]
+
+    def end_written(self) -> list[Delta]:
+        """Close a call whose arguments the parser wrote with `append`."""
+        self.calls.num_ended += 1
+        return [ToolCallEnd(self.index, self.sent)]
 
     def _emit(self, value: dict, prefix: str) -> list[Delta]:
         self.last = value
