@@ -2,8 +2,8 @@
 
 Decode-only steps (one query per sequence) use the split-K decode kernel; every other step
 (prompt chunks, mixed with decodes) uses the varlen prefill kernel, which reads the cached
-prefix from the blocks in place. K/V are written by slot mapping (one index_copy_ per
-tensor) before either kernel runs. Both kernels size their grids from tensor shapes only,
+prefix from the blocks in place. K/V are written by slot mapping (one fused kernel for
+both) before either kernel runs. Both kernels size their grids from tensor shapes only,
 so a decode step over persistent buffers can be captured in a CUDA graph
 (ds4pool/model/cuda_graphs.py) and replayed with new values.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4pool.model.attention import AttentionMetadata, write_kv
+from ds4pool.model.attention import AttentionMetadata
 
 
 def triton_available() -> bool:
@@ -29,9 +29,10 @@ class TritonPagedAttention:
     index_dtype = torch.int32
 
     def __init__(self) -> None:
-        from ds4pool.model.kernels import triton_attention
+        from ds4pool.model.kernels import triton_attention, triton_fused
 
         self._k = triton_attention
+        self._store_kv = triton_fused.store_kv
 
     def forward(
         self,
@@ -42,7 +43,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
-        write_kv(cache, k, v, meta.slot_mapping)
+        self._store_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_only:
             self._k.paged_decode(
