@@ -33,6 +33,18 @@ class TritonPagedAttention:
 
         self._k = triton_attention
         self._store_kv = triton_fused.store_kv
+        self._sms = torch.cuda.get_device_properties(
+            torch.cuda.current_device()
+        ).multi_processor_count
+
+    def partition_size(self, batch: int, num_kv_heads: int, width_tokens: int) -> int:
+        """Split-K partition for a decode launch, from shapes only (graph safe): split a
+        row's context only as far as needed to give every SM a program, and never below
+        1,024 tokens (a split costs a reduce launch; short contexts are latency-bound)."""
+        programs = batch * num_kv_heads
+        splits = max(1, -(-self._sms // programs))
+        size = -(-width_tokens // splits)
+        return max(1024, -(-size // 64) * 64)
 
     def forward(
         self,
@@ -55,6 +67,9 @@ class TritonPagedAttention:
                 scale,
                 out,
                 sliding_window=meta.sliding_window,
+                partition_size=self.partition_size(
+                    q.shape[0], k.shape[1], meta.block_tables.shape[1] * meta.block_size
+                ),
             )
         else:
             assert meta.query_start is not None

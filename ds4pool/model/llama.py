@@ -81,15 +81,20 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, E] the residual stream
+        h: torch.Tensor,  # [T, E] input_layernorm(residual), done by the caller
+        residual: torch.Tensor,  # [T, E] the residual stream before this layer
+        next_norm: RMSNorm,  # the next layer's input norm, or the final norm
         rope: Any,
         cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: TorchOps,
-    ) -> torch.Tensor:
-        a = self.self_attn(ops.rms_norm(self.input_layernorm, x), rope, cache, meta, ops)
-        x, h = ops.add_rms_norm(self.post_attention_layernorm, a, x)
-        return ops.add(x, self.mlp(h, ops))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next_norm(residual'), residual') where residual' is the stream after this layer:
+        each residual add is fused with the norm that reads it."""
+        a = self.self_attn(h, rope, cache, meta, ops)
+        residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
+        residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        return h, residual
 
 
 class LlamaModel(nn.Module):
@@ -124,11 +129,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
         ops = self.ops
-        x = self.model.embed_tokens(input_ids)
-        rope = ops.rope(self.model.rotary_emb, meta.positions, x.dtype)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, cache, meta, ops)
-        return ops.rms_norm(self.model.norm, x)
+        layers = self.model.layers
+        residual = self.model.embed_tokens(input_ids)
+        rope = ops.rope(self.model.rotary_emb, meta.positions, residual.dtype)
+        h = ops.rms_norm(layers[0].input_layernorm, residual)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, cache, next_norm in zip(layers, kv_caches, norms):
+            h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)

@@ -30,9 +30,6 @@ class TorchOps:
         h = residual + x
         return h, norm(h)
 
-    def add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return residual + x
-
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return rotary(positions, dtype)  # cos, sin [T, 1, D]
 
@@ -68,11 +65,11 @@ class TritonOps(TorchOps):
         # layer): updating it in place is safe
         return residual, self._k.rms_norm(x, norm.weight, norm.eps, residual=residual)
 
-    def add(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return residual.add_(x)
-
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return positions, rotary.inv_freq  # cos/sin are computed inside the kernel
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._k.silu_mul(gate_up)
 
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, rope: Any
@@ -92,11 +89,15 @@ class TritonOps(TorchOps):
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """A [T, H + H_kv, D] view over q and k if k's heads follow q's in memory."""
     t, h, d = q.shape
+    # a size-1 token axis may carry any stride: only compare it when it matters
+    same_rows = t == 1 or k.stride(0) == q.stride(0)
     if (
         q.stride(2) == 1
+        and k.stride(2) == 1
         and q.stride(1) == d
-        and k.stride() == q.stride()
+        and k.stride(1) == d
+        and same_rows
         and k.data_ptr() == q.data_ptr() + h * d * q.element_size()
     ):
-        return q.as_strided((t, h + k.shape[1], d), q.stride())
+        return q.as_strided((t, h + k.shape[1], d), (q.stride(0), d, 1))
     return None
