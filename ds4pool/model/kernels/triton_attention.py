@@ -382,7 +382,8 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    # last (longest, causal) query tiles first, so that short ones fill the tail of the grid
+    q_tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(2)
     q_begin = tl.load(qstart_ptr + seq)
     q_len = tl.load(qstart_ptr + seq + 1) - q_begin
