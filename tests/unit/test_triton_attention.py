@@ -37,6 +37,7 @@ class Case:
     strided_q: bool = False  # q as a slice of a wider (fused qkv-like) buffer
     dtype: str = "float32"  # float16 too; the interpreter's bf16 tl.dot is broken (triton 3.9)
     index64: bool = False  # int64 tables and lengths, as AttentionMetadata holds them
+    workspace: bool = False  # decode: a preallocated scratch for a larger batch
 
     @property
     def tolerance(self) -> float:
@@ -51,7 +52,9 @@ CASES: dict[str, Case] = {
         "decode", [5, 77, 130], head_dim=128, block_n=32, partition_size=64, strided_q=True
     ),
     # more partitions (19) than the reduce kernel's chunk of 16
-    "decode_reduce_chunks": Case("decode", [300, 2, 161], heads=4, partition_size=16),
+    "decode_reduce_chunks": Case(
+        "decode", [300, 2, 161], heads=4, partition_size=16, workspace=True
+    ),
     # one partition: the main kernel writes the output itself (incl. zeros for context 0)
     "decode_g8_bs32_direct": Case("decode", [33, 0, 64, 91], kv_heads=1, block_size=32, block_n=64),
     "decode_window_splitk": Case(
@@ -100,10 +103,12 @@ def _run_case(name: str) -> dict:
     out = torch.full_like(case.q, float("nan"))  # unwritten elements stay NaN
     k_cache, v_cache = case.cache[0], case.cache[1]
     if c.kind == "decode":
+        parts = ta.decode_num_partitions(case.block_tables.shape[1], c.block_size, c.partition_size)
+        workspace = ta.decode_workspace(q.shape[0] + 5, c.heads, c.head_dim, parts, q.device)
         ta.paged_decode(
             q, k_cache, v_cache, case.block_tables, case.context_lens, case.scale, out,
             sliding_window=c.window, partition_size=c.partition_size,
-            launch=ta.DecodeLaunch(block_n=c.block_n),
+            launch=ta.DecodeLaunch(block_n=c.block_n), workspace=workspace if c.workspace else None,
         )  # fmt: skip
     else:
         ta.paged_prefill(

@@ -21,6 +21,8 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backend = pytest.importorskip("triton.backends.compiler")
 ta = pytest.importorskip("ds4pool.model.kernels.triton_attention")
+dk = pytest.importorskip("ds4pool.model.kernels._decode_kernels")
+pk = pytest.importorskip("ds4pool.model.kernels._prefill_kernels")
 
 SM90 = backend.GPUTarget("cuda", 90, 32)
 INT_PTRS = {"tables_ptr", "lens_ptr", "qstart_ptr"}
@@ -55,13 +57,13 @@ def test_decode_compiles_pipelined(split: bool, window: bool) -> None:
     consts = dict(H=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
                   PARTITION=ta.DEFAULT_PARTITION, SPLIT=split, USE_WINDOW=window,
                   PRECISION="tf32")  # fmt: skip
-    kernel = compile_sm90(ta._decode_kernel, consts, launch.num_warps, launch.num_stages)
+    kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
 
 
 def test_decode_reduce_compiles() -> None:
     consts = dict(H=32, D=128, D_PAD=128, PARTITION=512, P_CHUNK=16, USE_WINDOW=False)
-    compile_sm90(ta._decode_reduce_kernel, consts, 4, 2)
+    compile_sm90(dk.decode_reduce_kernel, consts, 4, 2)
 
 
 @pytest.mark.parametrize("window", [False, True])
@@ -70,6 +72,6 @@ def test_prefill_compiles_pipelined(window: bool) -> None:
     consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=launch.block_m,
                   BLOCK_Q=launch.block_m // 4, BLOCK_N=launch.block_n, USE_WINDOW=window,
                   PRECISION="tf32")  # fmt: skip
-    kernel = compile_sm90(ta._prefill_kernel, consts, launch.num_warps, launch.num_stages)
+    kernel = compile_sm90(pk.prefill_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
     assert kernel.asm["ttgir"].count("warp_group_dot") > 0, "no Hopper wgmma"
