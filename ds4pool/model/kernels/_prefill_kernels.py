@@ -9,6 +9,55 @@ from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
 
 
 @triton.jit
+def attend_range(
+    acc,
+    m_i,
+    l_i,
+    q,  # [BLOCK_M, D_PAD]
+    pos,  # [BLOCK_M] query positions
+    k_ptr,
+    v_ptr,
+    table_row,
+    kv_head,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    start,
+    end,  # key tiles k0 in range(start, end, BLOCK_N)
+    last,  # keys past the tile's last query position are not loaded
+    scale_log2,
+    window,
+    d,
+    d_mask,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    for k0 in range(start, end, BLOCK_N):
+        t = k0 + tl.arange(0, BLOCK_N)
+        in_ctx = t <= last  # [BLOCK_N]
+        k = load_kv_tile(
+            k_ptr, table_row, t, in_ctx, kv_head, stride_kn, stride_kt, stride_kh, d, d_mask, BS
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            seen = (t[None, :] <= pos[:, None]) & in_ctx[None, :]  # causal
+            if USE_WINDOW:
+                seen = seen & (t[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
+        v = load_kv_tile(
+            v_ptr, table_row, t, in_ctx, kv_head, stride_vn, stride_vt, stride_vh, d, d_mask, BS
+        )
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def prefill_kernel(
     q_ptr,
     k_ptr,
@@ -65,45 +114,42 @@ def prefill_kernel(
     # positions of the tile's first and last real query token
     pos_first = ctx - q_len + q_tile * BLOCK_Q
     pos_last = ctx - q_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
-    lo = 0
+    # key tiles, in three runs (BLOCK_N aligned):
+    # [k_start, k_mid)   masked: the window's lower edge crosses them (window only)
+    # [k_mid, k_diag)    unmasked: every row of the tile sees every key
+    # [k_diag, pos_last] masked: the causal diagonal
+    # tiles above pos_last are never visited
+    k_diag = ((pos_first + 1) // BLOCK_N) * BLOCK_N
+    k_start = 0
+    k_mid = 0
     if USE_WINDOW:
-        lo = tl.maximum(pos_first - window + 1, 0)
-    k_start = (lo // BLOCK_N) * BLOCK_N
-    # [k_start, k_full): keys every row sees (no mask); [k_full, pos_last]: masked tiles
-    k_full = k_start
-    if not USE_WINDOW:
-        k_full = ((pos_first + 1) // BLOCK_N) * BLOCK_N
+        k_start = (tl.maximum(pos_first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        # first tile whose keys all lie inside the last row's window, i.e. k0 > pos_last - window
+        k_mid = tl.minimum(tl.maximum(pos_last - window + BLOCK_N, k_start) // BLOCK_N * BLOCK_N,
+                           k_diag)  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table_row = tables_ptr + seq * stride_ts
-    for k0 in range(k_start, k_full, BLOCK_N):
-        t = k0 + tl.arange(0, BLOCK_N)
-        every = t >= 0  # all true: the whole tile is below every row's position
-        k = load_kv_tile(
-            k_ptr, table_row, t, every, kv_head, stride_kn, stride_kt, stride_kh, d, d_mask, BS
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        v = load_kv_tile(
-            v_ptr, table_row, t, every, kv_head, stride_vn, stride_vt, stride_vh, d, d_mask, BS
-        )
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, PRECISION)
-    for k0 in range(k_full, pos_last + 1, BLOCK_N):
-        t = k0 + tl.arange(0, BLOCK_N)
-        in_ctx = t <= pos_last  # [BLOCK_N]
-        k = load_kv_tile(
-            k_ptr, table_row, t, in_ctx, kv_head, stride_kn, stride_kt, stride_kh, d, d_mask, BS
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        seen = t[None, :] <= pos[:, None]  # [BLOCK_M, BLOCK_N] causal
-        if USE_WINDOW:
-            seen = seen & (t[None, :] > pos[:, None] - window)
-        s = tl.where(seen & in_ctx[None, :], s, float("-inf"))
-        v = load_kv_tile(
-            v_ptr, table_row, t, in_ctx, kv_head, stride_vn, stride_vt, stride_vh, d, d_mask, BS
-        )
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, PRECISION)
+    acc, m_i, l_i = attend_range(
+        acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
+        stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
+        k_start, k_mid, pos_last, scale_log2, window, d, d_mask,
+        BS, BLOCK_N, True, USE_WINDOW, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = attend_range(
+        acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
+        stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
+        k_mid, k_diag, pos_last, scale_log2, window, d, d_mask,
+        BS, BLOCK_N, False, USE_WINDOW, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = attend_range(
+        acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
+        stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
+        k_diag, pos_last + 1, pos_last, scale_log2, window, d, d_mask,
+        BS, BLOCK_N, True, USE_WINDOW, PRECISION,
+    )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_rows = (q_begin + tok).to(tl.int64) * stride_ot + heads * stride_oh

@@ -23,10 +23,12 @@ Prefill is compute bound: flash-attention tiles of BLOCK_M query rows x BLOCK_N 
 the M rows fold BLOCK_M // G query tokens x G heads of one kv head (row m is token m // G,
 head m % G), so K/V tiles are shared by the G heads without repeating them. Grid
 (S, ceil(max_query_len / BLOCK_Q), H_kv). The new tokens of sequence s sit at positions
-[ctx - q_len, ctx); key tiles strictly below the tile's first query position run without a
-mask, the few tiles on the diagonal run with the causal (and sliding-window) mask, and tiles
-above the diagonal are never visited. q_len = 1 rows work, so a mixed step can use this kernel
-for all its tokens.
+[ctx - q_len, ctx); a query tile walks its key tiles in three runs: the few crossed by the
+sliding window's lower edge (masked), those every row sees in full (no mask), and the few on
+the causal diagonal (masked); tiles above the diagonal or before the window are never visited.
+The longest (last) query tiles launch first. q_len = 1 rows work, so a mixed step can use
+this kernel for all its tokens, though decode rows there get no split-K and use G of the
+BLOCK_M rows: `paged_decode` is the faster call for them.
 
 CUDA-graph safety: every grid and scratch size derives from tensor SHAPES and host ints
 (max_blocks, B, H, max_query_len), never from the values in context_lens / query_start /
