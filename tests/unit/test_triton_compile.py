@@ -24,6 +24,7 @@ ta = pytest.importorskip("ds4pool.model.kernels.triton_attention")
 dk = pytest.importorskip("ds4pool.model.kernels._decode_kernels")
 pk = pytest.importorskip("ds4pool.model.kernels._prefill_kernels")
 
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 SM90 = backend.GPUTarget("cuda", 90, 32)
 INT_PTRS = {"tables_ptr", "lens_ptr", "qstart_ptr"}
 F32_PTRS = {"part_out_ptr", "part_lse_ptr"}
