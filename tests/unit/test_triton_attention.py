@@ -67,6 +67,8 @@ CASES: dict[str, Case] = {
         "prefill", [17, 70], [17, 3], heads=2, head_dim=128, block_size=32, block_m=16, block_n=32
     ),
     "prefill_g8_window": Case("prefill", [40, 25, 30], [12, 1, 30], kv_heads=1, window=10),
+    # a decode-only step through the prefill kernel: the tile shrinks from 128 to 16 rows
+    "prefill_decode_rows": Case("prefill", [1, 37, 50], [1, 1, 1], block_m=128),
     # a window wide enough for unmasked tiles between its edge and the diagonal
     "prefill_window_mid": Case("prefill", [130, 70], [100, 70], kv_heads=1, window=40),
     "decode_fp16_int64": Case(

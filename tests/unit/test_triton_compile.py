@@ -76,3 +76,11 @@ def test_prefill_compiles_pipelined(window: bool) -> None:
     kernel = compile_sm90(pk.prefill_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
     assert kernel.asm["ttgir"].count("warp_group_dot") > 0, "no Hopper wgmma"
+
+
+def test_prefill_compiles_for_decode_rows() -> None:
+    """max_query_len 1: paged_prefill shrinks the tile to 16 rows (G=4 heads of one token)."""
+    consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=64,
+                  USE_WINDOW=False, PRECISION="tf32")  # fmt: skip
+    kernel = compile_sm90(pk.prefill_kernel, consts, 4, ta.DEFAULT_PREFILL.num_stages)
+    assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"

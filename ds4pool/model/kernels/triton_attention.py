@@ -27,8 +27,8 @@ head m % G), so K/V tiles are shared by the G heads without repeating them. Grid
 sliding window's lower edge (masked), those every row sees in full (no mask), and the few on
 the causal diagonal (masked); tiles above the diagonal or before the window are never visited.
 The longest (last) query tiles launch first. q_len = 1 rows work, so a mixed step can use
-this kernel for all its tokens, though decode rows there get no split-K and use G of the
-BLOCK_M rows: `paged_decode` is the faster call for them.
+this kernel for all its tokens (a step of single tokens gets a 16-row tile), though decode rows
+there get no split-K: `paged_decode` is the faster call for them.
 
 CUDA-graph safety: every grid and scratch size derives from tensor SHAPES and host ints
 (max_blocks, B, H, max_query_len), never from the values in context_lens / query_start /
@@ -203,8 +203,12 @@ def paged_prefill(
     if n_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
         return
     g = n_heads // h_kv
-    block_m = max(launch.block_m, triton.next_power_of_2(g), 16)
+    # short queries (decode rows, q_len * G <= 16) get a 16-row tile instead of wasting most of
+    # BLOCK_M; the tile never drops below one token's G heads
+    rows = max(triton.next_power_of_2(max_query_len * g), 16)
+    block_m = max(min(launch.block_m, rows), triton.next_power_of_2(g), 16)
     block_q = block_m // g
+    num_warps = launch.num_warps if block_m >= 64 else min(launch.num_warps, 4)
     window = sliding_window or 0
     grid = (n_seqs, math.ceil(max_query_len / block_q), h_kv)
     prefill_kernel[grid](
@@ -217,5 +221,5 @@ def paged_prefill(
         G=g, D=d, D_PAD=triton.next_power_of_2(d), BS=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=launch.block_n,
         USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        num_warps=num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
