@@ -23,7 +23,7 @@ from ds4pool.model.kernels.triton_fused import store_kv
 
 torch.manual_seed(0)
 ref, fast = TorchOps(), TritonOps()
-T, H, HKV, D, E = 5, 4, 2, 16, 48
+T, H, HKV, D, E = 5, 3, 2, 24, 48  # odd head counts, head_dim not a power of 2
 norm = RMSNorm(E, 1e-5)
 norm.weight.data.uniform_(0.5, 1.5)
 x, r = torch.randn(T, E), torch.randn(T, E)
@@ -52,7 +52,7 @@ torch.testing.assert_close(got_k, want_k, atol=1e-4, rtol=1e-4)
 gu = torch.randn(T, 2 * 40)
 torch.testing.assert_close(fast.silu_mul(gu), ref.silu_mul(gu))
 
-cache = torch.full((2, 6, 4, HKV, D), float("nan"))
+cache = torch.full((2, 6, 4, HKV, D), float("nan"))  # D = 24: masked tail columns
 kk, vv = torch.randn(T, HKV, D), torch.randn(T, HKV, D)
 slots = torch.tensor([3, 9, 10, 0, 23])
 store_kv(cache, kk, vv, slots)

@@ -64,19 +64,19 @@ def rms_norm(
 @triton.jit
 def _rotary_kernel(
     x_ptr, pos_ptr, inv_ptr, stride_t, stride_h, num_heads,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     hb = tl.program_id(1)
     heads = hb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] head indices
-    cols = tl.arange(0, HALF)  # [HALF]
-    hmask = heads < num_heads
+    cols = tl.arange(0, HALF_PAD)  # [HALF_PAD] (tl.arange needs a power of 2)
+    cmask = cols < HALF
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    freq = pos * tl.load(inv_ptr + cols)  # [HALF] fp32
+    freq = pos * tl.load(inv_ptr + cols, mask=cmask, other=0.0)  # [HALF_PAD] fp32
     cos = tl.cos(freq)[None, :]
     sin = tl.sin(freq)[None, :]
     base = x_ptr + t * stride_t + heads[:, None] * stride_h + cols[None, :]
-    m = hmask[:, None]
+    m = (heads < num_heads)[:, None] & cmask[None, :]
     x1 = tl.load(base, mask=m, other=0.0)
     x2 = tl.load(base + HALF, mask=m, other=0.0)
     dt = x1.dtype
@@ -94,8 +94,8 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
     block = min(16, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block))
     _rotary_kernel[grid](
-        x, positions, inv_freq, x.stride(0), x.stride(1), h, HALF=d // 2, BLOCK=block,
-        num_warps=2,
+        x, positions, inv_freq, x.stride(0), x.stride(1), h, HALF=d // 2,
+        HALF_PAD=triton.next_power_of_2(d // 2), BLOCK=block, num_warps=2,
     )  # fmt: skip
 
 
@@ -103,12 +103,12 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
 def _store_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
     half_cache, num_heads,
-    D: tl.constexpr, BLOCK_H: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, D)
-    m = (heads < num_heads)[:, None]
+    cols = tl.arange(0, D_PAD)
+    m = (heads < num_heads)[:, None] & (cols < D)[None, :]
     slot = tl.load(slot_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + cols[None, :], mask=m)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=m)
@@ -126,7 +126,7 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     half = cache[0].numel()
     _store_kv_kernel[(t,)](
         k, v, cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), half, h,
-        D=d, BLOCK_H=triton.next_power_of_2(h), num_warps=4,
+        D=d, D_PAD=triton.next_power_of_2(d), BLOCK_H=triton.next_power_of_2(h), num_warps=4,
     )  # fmt: skip
 
 
