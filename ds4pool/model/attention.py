@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from ds4pool.model import attention_cpu
+
 
 @dataclass(frozen=True)
 class PrefillSlice:
@@ -112,7 +114,14 @@ class TorchPagedAttention:
     block tables and padded to the longest context, padding masked); each prompt chunk
     is attended on its own with SDPA. A faster kernel can replace this class as long as
     it keeps `forward`'s contract.
+
+    On CPU, `cpu_kernels` routes both through attention_cpu (no double copy of the
+    context, one fused kernel per decode group); `cpu_kernels=False` keeps the gathering
+    path above, the oracle in tests.
     """
+
+    def __init__(self, cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels
 
     def forward(
         self,
@@ -125,6 +134,8 @@ class TorchPagedAttention:
     ) -> torch.Tensor:  # [T, H, D]
         write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        if self.cpu_kernels and cache.device.type == "cpu":
+            return attention_cpu.forward(q, cache, meta, scale, out)
         if meta.decode_rows.numel():
             out.index_copy_(0, meta.decode_tokens, self._decode(q, cache, meta, scale))
         for p in meta.prefills:
