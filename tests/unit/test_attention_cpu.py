@@ -13,7 +13,7 @@ D = 8
 
 
 def random_step(
-    query_lens: list[int], context_lens: list[int], h_kv: int, seed: int
+    query_lens: list[int], context_lens: list[int], h_kv: int, seed: int, group: int = 2
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block tables from shuffled ids (not FIFO), a cache of noise, this step's q, k, v."""
     gen = torch.Generator().manual_seed(seed)
@@ -26,7 +26,7 @@ def random_step(
         at += n
     cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
     t = sum(query_lens)
-    q = torch.randn(t, 2 * h_kv, D, generator=gen)
+    q = torch.randn(t, group * h_kv, D, generator=gen)  # group query heads per KV head
     k = torch.randn(t, h_kv, D, generator=gen)
     v = torch.randn(t, h_kv, D, generator=gen)
     return tables, cache, q, k, v
@@ -37,10 +37,11 @@ def attend(
     query_lens: list[int],
     context_lens: list[int],
     window: int | None = None,
-    h_kv: int = 2,
+    heads: tuple[int, int] = (2, 2),
     seed: int = 0,
 ) -> torch.Tensor:
-    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed)
+    h_kv, group = heads
+    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed, group)
     meta = build_metadata(query_lens, context_lens, tables, BS, torch.device("cpu"), window)
     return backend.forward(q, k, v, cache, meta, scale=D**-0.5)
 
@@ -56,14 +57,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("window", [None, 10])
-@pytest.mark.parametrize("h_kv", [1, 2])
+@pytest.mark.parametrize("heads", [(1, 2), (2, 3), (2, 1)], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_the_gathering_reference(case: str, h_kv: int, window: int | None) -> None:
+def test_matches_the_gathering_reference(
+    case: str, heads: tuple[int, int], window: int | None
+) -> None:
     query_lens, context_lens = CASES[case]
     for seed in range(3):
-        fast = attend(TorchPagedAttention(), query_lens, context_lens, window, h_kv, seed)
+        fast = attend(TorchPagedAttention(), query_lens, context_lens, window, heads, seed)
         ref = attend(
-            TorchPagedAttention(cpu_kernels=False), query_lens, context_lens, window, h_kv, seed
+            TorchPagedAttention(cpu_kernels=False), query_lens, context_lens, window, heads, seed
         )
         assert fast.shape == ref.shape
         assert (fast - ref).abs().max().item() < 1e-5, (case, seed)
