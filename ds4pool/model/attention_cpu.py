@@ -1,31 +1,29 @@
 """Paged attention on CPU: decode groups and prompt chunks through the fused SDPA kernel.
 
-Why this shape (measured on a 2-core EPYC, demo model, 16 decoders at 1.5k tokens; numbers
-in the branch report and docs/BENCHMARKS.md):
+Why this shape (measured on a 2-core EPYC, demo model, 16 decoders at 1.5k tokens; the
+numbers are in docs/BENCHMARKS.md):
 - The reference decode gathers keys with advanced indexing (`cache[0][tables]`) and then
   `matmul` copies them a second time, because [B, H_kv, D, L] does not fold into one bmm
   batch dimension. Those two copies were ~80% of a batch-16 step.
-- Attending each sequence's blocks in place (contiguous block runs as views of the cache)
-  avoids the copy but loses: one small GEMM per sequence and head reads the cache with a
-  stride of H_kv * D and never uses both cores; per-sequence python overhead adds up.
-- What wins is one `index_select` of whole blocks (a memcpy of contiguous
-  block_size * H_kv * D rows, ~2 GB/s faster than advanced indexing) followed by one call of
-  the fused CPU flash kernel (`scaled_dot_product_attention`) for the whole group: it reads
-  the gathered keys straight from their [B, L, H_kv, D] layout through strides and
-  parallelises over B * H_kv. GQA: the G query heads that share a KV head go in as G
-  queries of one head, so each key block is read once for all of them (10% faster than
-  enable_gqa for the demo's G=2, 28% for Llama-3-8B's shapes, G=4).
-- ...but not for the whole batch at once: 16 sequences' worth of gathered KV falls out of
-  the caches before the kernel reads it back. Decode sequences are attended in groups of a
-  few MiB of KV, and sequences of very different lengths are split so that padding
-  (gathered and masked) stays under a quarter of a group.
+- The kernel is `scaled_dot_product_attention` (the fused CPU flash kernel): it reads keys
+  through strides from the cache layout [L, H_kv, D]. GQA: the G query heads that share a
+  KV head go in as G queries of one head, so each key block is read once for all of them
+  (10% faster than enable_gqa at the demo's G=2, 28% at Llama-3-8B's G=4).
+- A sequence whose blocks are one run of consecutive ids (the block pool hands out ids in
+  FIFO order, so a prompt's blocks mostly are) is a contiguous slice of the cache: it is
+  attended in place, no copy. Small per-sequence GEMMs over those views lose to a copy;
+  the fused kernel on them wins over gathering by ~15%.
+- Other sequences are gathered with one `index_select` of whole blocks (a memcpy of
+  contiguous rows, far faster than advanced indexing) in groups of a few MiB, so that the
+  copy is still in cache when the kernel reads it (a group of 16 at 1.5k tokens was ~2x
+  slower than groups of 2); lengths are grouped so that padding stays under a quarter.
 
 Numerics: a sequence's output is its own softmax over its own keys; padding keys are masked
 to -inf and add exact zeros, so the result does not depend on its batch neighbours beyond
 float rounding of the kernel's tiling.
 
-Shapes: Bd = decode sequences, H = query heads, H_kv = key/value heads, D = head_dim,
-bs = block_size, n = blocks gathered per sequence in a group, L = n * bs.
+Shapes: Bd = decode sequences, H = query heads, H_kv = key/value heads, G = H / H_kv,
+D = head_dim, bs = block_size, n = blocks gathered per sequence in a group, L = n * bs.
 """
 
 from __future__ import annotations
@@ -105,6 +103,13 @@ def _first_block(ctx: int, block_size: int, sliding_window: int | None) -> int:
     return (ctx - sliding_window) // block_size
 
 
+def _run_start(table: list[int], first: int, count: int) -> int | None:
+    """table[first] when table[first : first + count] are consecutive block ids, else None."""
+    start = table[first]
+    ok = all(b == start + k for k, b in enumerate(table[first : first + count]))
+    return start if ok else None
+
+
 def paged_decode(
     q: torch.Tensor,  # [Bd, H, D] one query token per sequence
     cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
@@ -114,12 +119,28 @@ def paged_decode(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [Bd, H, D]
     _, _, bs, h_kv, d = cache.shape
-    num_heads = q.shape[1]
+    bd, num_heads = q.shape[0], q.shape[1]
+    group_q = q.view(bd, h_kv, num_heads // h_kv, d)  # [Bd, H_kv, G, D]
     firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
     counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
+    host_tables = tables.tolist()  # CPU: a host read, not a device sync
     out = torch.empty_like(q)
+    gathered = []  # rows whose blocks are not one run of consecutive ids
+    for i, ctx in enumerate(context_lens):
+        start = _run_start(host_tables[i], firsts[i], counts[i])
+        if start is None:
+            gathered.append(i)
+            continue
+        # One run of blocks is a contiguous slice of the cache: attend it in place, cut to
+        # exactly the visible keys (no mask).
+        lo = max(0, ctx - sliding_window) if sliding_window else 0
+        base = (start - firsts[i]) * bs  # slot of position 0, were the run extended back
+        keys = cache[0].view(-1, h_kv, d)[base + lo : base + ctx]  # [C', H_kv, D]
+        values = cache[1].view(-1, h_kv, d)[base + lo : base + ctx]
+        out[i] = _sdpa(group_q[i : i + 1], keys[None], values[None], None, scale)[0]
     block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
-    for group in decode_groups(counts, block_bytes):
+    for sub in decode_groups([counts[i] for i in gathered], block_bytes):
+        group = [gathered[k] for k in sub]
         n = counts[group[0]]
         rows = torch.tensor(group, dtype=torch.int64, device=q.device)  # [g]
         first = torch.tensor([firsts[i] for i in group], dtype=torch.int64, device=q.device)
@@ -130,17 +151,24 @@ def paged_decode(
         keys = cache[0].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
         values = cache[1].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
         mask = _decode_mask(group, context_lens, firsts, n * bs, bs, sliding_window, q.device)
-        # The G query heads of a KV head go in as G queries of one head (no causal mask in a
-        # decode): the kernel then reads each key block once for all of them, not G times.
-        o = F.scaled_dot_product_attention(
-            q.index_select(0, rows).view(len(group), h_kv, num_heads // h_kv, d),  # [g, H_kv, G, D]
-            keys.transpose(1, 2),  # [g, H_kv, L, D] (a strided view, no copy)
-            values.transpose(1, 2),
-            attn_mask=mask,  # [g, 1, 1, L]: the same keys for the G queries
-            scale=scale,
-        )  # [g, H_kv, G, D]
-        out.index_copy_(0, rows, o.reshape(len(group), num_heads, d))
+        o = _sdpa(group_q.index_select(0, rows), keys, values, mask, scale)
+        out.index_copy_(0, rows, o)
     return out
+
+
+def _sdpa(
+    q: torch.Tensor,  # [g, H_kv, G, D]
+    keys: torch.Tensor,  # [g, L, H_kv, D], any strides
+    values: torch.Tensor,  # [g, L, H_kv, D]
+    mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
+    scale: float,
+) -> torch.Tensor:  # [g, H, D]
+    # The G query heads of a KV head go in as G queries of one head (a decode has no causal
+    # mask): the kernel then reads each key block once for all of them, not G times.
+    o = F.scaled_dot_product_attention(
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [g, H_kv, G, D]
+    return o.reshape(q.shape[0], -1, q.shape[3])
 
 
 def _decode_mask(
@@ -178,8 +206,14 @@ def paged_prefill(
     first = _first_block(context_len - n_q + 1, bs, sliding_window)  # for the chunk's 1st query
     n = -(-context_len // bs) - first
     start = first * bs  # position of the first gathered key
-    keys = cache[0].index_select(0, table[first : first + n]).view(n * bs, h_kv, d)
-    values = cache[1].index_select(0, table[first : first + n]).view(n * bs, h_kv, d)
+    blocks = table[first : first + n]
+    run = _run_start(blocks.tolist(), 0, n)  # CPU: a host read, not a device sync
+    if run is not None:  # one run of consecutive blocks: a slice of the cache, no copy
+        keys = cache[0, run : run + n].view(n * bs, h_kv, d)
+        values = cache[1, run : run + n].view(n * bs, h_kv, d)
+    else:
+        keys = cache[0].index_select(0, blocks).view(n * bs, h_kv, d)
+        values = cache[1].index_select(0, blocks).view(n * bs, h_kv, d)
     keys, values = keys[: context_len - start], values[: context_len - start]  # [C', H_kv, D]
     mask = None
     if n_q != context_len or sliding_window:

@@ -13,16 +13,22 @@ D = 8
 
 
 def random_step(
-    query_lens: list[int], context_lens: list[int], h_kv: int, seed: int, group: int = 2
+    query_lens: list[int],
+    context_lens: list[int],
+    h_kv: int,
+    seed: int,
+    group: int = 2,
+    fifo: bool = False,
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block tables from shuffled ids (not FIFO), a cache of noise, this step's q, k, v."""
+    """Block tables from shuffled ids, or (fifo) runs of consecutive ids as the block pool
+    hands them out, every other sequence's reversed; a cache of noise; this step's q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-c // BS) + 1 for c in context_lens]  # one spare block past each context
     num_blocks = sum(need) + 3
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    ids = list(range(3, num_blocks)) if fifo else torch.randperm(num_blocks, generator=gen).tolist()
     tables, at = [], 0
-    for n in need:
-        tables.append(ids[at : at + n])
+    for i, n in enumerate(need):
+        tables.append(ids[at : at + n][:: -1 if fifo and i % 2 else 1])
         at += n
     cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
     t = sum(query_lens)
@@ -41,7 +47,8 @@ def attend(
     seed: int = 0,
 ) -> torch.Tensor:
     h_kv, group = heads
-    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed, group)
+    fifo = seed % 2 == 1  # odd seeds: consecutive block runs (attended in place)
+    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed, group, fifo)
     meta = build_metadata(query_lens, context_lens, tables, BS, torch.device("cpu"), window)
     return backend.forward(q, k, v, cache, meta, scale=D**-0.5)
 
@@ -63,7 +70,7 @@ def test_matches_the_gathering_reference(
     case: str, heads: tuple[int, int], window: int | None
 ) -> None:
     query_lens, context_lens = CASES[case]
-    for seed in range(3):
+    for seed in range(4):
         fast = attend(TorchPagedAttention(), query_lens, context_lens, window, heads, seed)
         ref = attend(
             TorchPagedAttention(cpu_kernels=False), query_lens, context_lens, window, heads, seed
