@@ -46,6 +46,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda[:N], mps")
     _flag(g, "--dtype", default="auto", help="auto, float32, bfloat16, float16")
     _flag(g, "--max-batch-tokens", type=int, default=2048, help="token budget per step")
+    _flag(
+        g,
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens per step while others decode (default: 512 on CUDA, 128 on CPU)",
+    )
     _flag(g, "--max-batch-size", type=int, default=64, help="sequences per step")
     _flag(
         g,
@@ -189,6 +196,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             kv_persist_idle_s=args.kv_persist_idle_s,
             kv_persist_every_tokens=args.kv_persist_every_tokens,
             max_batch_tokens=args.max_batch_tokens,
+            max_prefill_tokens=args.max_prefill_tokens,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             no_batching=args.no_batching,
