@@ -307,3 +307,9 @@ def test_a_long_call_is_reparsed_a_bounded_number_of_times(monkeypatch: pytest.M
     ]
     assert len([d for d in deltas if isinstance(d, ToolCallArgs)]) > 50  # still streamed
     assert calls["n"] < 200 and calls["chars"] < 40 * len(text)
+
+
+def test_arguments_that_are_a_string_but_not_json_are_no_call() -> None:
+    text = '<tool_call>{"name": "read_file", "arguments": "path=a"}</tool_call>'
+    deltas = feed_chunks(tool_processor("hermes"), [text])
+    assert check_contract(deltas).tool_calls == [] and text_of(deltas) == text

@@ -17,11 +17,12 @@ END = "</tool_call>"
 
 def call_arguments(obj: dict[str, Any]) -> Any:
     """A call object's arguments: "arguments" (Hermes, Mistral) or "parameters" (Llama);
-    some models write them as a JSON string."""
-    args = obj.get("arguments", obj.get("parameters", MISSING))
-    if isinstance(args, str):
-        args = parse_complete(args)
-    return {} if args is MISSING else args
+    some models write them as a JSON string. None given is no arguments ({})."""
+    for key in ("arguments", "parameters"):
+        if key in obj:
+            args = obj[key]
+            return parse_complete(args) if isinstance(args, str) else args
+    return {}
 
 
 def valid_call(obj: Any, calls: Calls) -> bool:
