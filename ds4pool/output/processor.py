@@ -67,8 +67,8 @@ class OutputProcessor:
         return self._content(self._reasoning.feed(text), final=False)
 
     def finish(self, reason: str, stop_string: str | None = None) -> list[Delta]:
-        """Flush, close open tool calls, then `Finish` (reason "tool_calls" when the turn
-        ended on a complete tool call)."""
+        """Flush, close open tool calls, then `Finish`: reason "tool_calls" when the turn
+        stopped on its own (eos, a stop string) after making calls; "length" stays."""
         assert not self._finished, "finish twice"
         self._finished = True
         pieces = self._reasoning.finish() if self._reasoning is not None else []
