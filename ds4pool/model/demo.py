@@ -178,6 +178,7 @@ def load_random_preset(
         weights_key += ":" + tokenizer_identity(tokenizer_dir)
     model = build_empty(cfg, device, dtype)
     init_random_(model, DEMO_SEED)
+    model.fuse_projections()
     return LoadedModel(
         model=model,
         config=cfg,

@@ -34,11 +34,12 @@ from torch import nn
 from ds4pool.errors import ModelLoadError
 from ds4pool.model.attention import AttentionMetadata
 from ds4pool.model.config import ModelConfig
+from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.tokenizer import Tokenizer
 
 NO_MATCH_REPLY = "[scripted model: no rule matched the prompt]"
 ARCHITECTURE = "ScriptedForCausalLM"
-MAX_POSITION = 1 << 20
+MAX_POSITION = 1 << 18  # room for agent prompts (Claude Code sends ~60k tokens)
 # Logit of every token but the scripted one: finite (JSON-safe, no NaN after penalties) and
 # far below any Gumbel noise (< 25) at any temperature a client may send.
 _OFF_LOGIT = -1e30
@@ -121,8 +122,11 @@ class ScriptedForCausalLM(nn.Module):
     asked-for row's history back from the cache and puts all mass on its scripted next token.
 
     compute_logits uses the cache and block tables of the latest forward: the runner calls the
-    two in pairs within one step (under the engine lock), as it does for any model.
+    two in pairs within one step (under the engine lock), as it does for any model. Its
+    host reads cannot be captured in a CUDA graph, hence `supports_cuda_graphs = False`.
     """
+
+    supports_cuda_graphs = False
 
     def __init__(self, config: ModelConfig, script: Script) -> None:
         super().__init__()
@@ -139,8 +143,9 @@ class ScriptedForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, 2] int64: (row, position)
         cache = kv_caches[0]
         values = input_ids.to(cache.dtype)[:, None, None]  # [T, 1, 1]; ids < 2**24 are exact
-        cache[0].view(-1, 1, 1).index_copy_(0, meta.slot_mapping, values)
-        cache[1].view(-1, 1, 1).index_copy_(0, meta.slot_mapping, values)
+        tokens = KVLayout.token_view(cache)  # [2, slots, 1, 1]
+        tokens[0].index_copy_(0, meta.slot_mapping, values)
+        tokens[1].index_copy_(0, meta.slot_mapping, values)
         rows = torch.empty_like(meta.positions)  # [T] block-table row of each token
         if meta.decode_rows.numel():
             rows.index_copy_(0, meta.decode_tokens, meta.decode_rows)
@@ -160,7 +165,7 @@ class ScriptedForCausalLM(nn.Module):
         for i, (row, pos) in enumerate(hidden.tolist()):
             n = pos + 1  # the history ends at the token this row belongs to
             table = meta.block_tables[row, : -(-n // bs)]
-            ids = cache[0][table].reshape(-1)[:n]  # [n] in token order
+            ids = KVLayout.keys(cache)[table].reshape(-1)[:n]  # [n] in token order
             history = ids.to(torch.int64).cpu()
             logits[i, self.script.next_token(history)] = 0.0
         return logits

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ds4pool.errors import ModelLoadError
+from ds4pool.generate import generate
 from ds4pool.kv.blocks import BlockPool
-from ds4pool.model.generate import generate
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner, SeqInput
 from ds4pool.model.sampler import SamplingParams
