@@ -4,7 +4,9 @@
 A request's reply is the first rule whose regex is found (`re.search`) in its rendered prompt
 (the prompt's tokens decoded with special tokens kept); it is tokenized with the model's
 tokenizer (`--tokenizer DIR`, default: the demo tokenizer) and emitted one token per step,
-then eos. No rule matching gives `NO_MATCH_REPLY`.
+then eos. No rule matching gives `NO_MATCH_REPLY`. A rule may give `"reply_ids": [ID, ...]`
+instead of "reply": those exact ids are emitted, e.g. a non-canonical split of a word ("hel" +
+"lo"), as real models sample, for tests of what the server does with such output.
 
 It is a real model to the engine: an `nn.Module` with the Llama forward signature whose "KV
 cache" (1 layer, 1 KV head, head_dim 1, float32: 8 bytes a token) holds each token's id. The
@@ -50,7 +52,7 @@ _TABLE_SIZE = 1 << 16
 @dataclass(frozen=True)
 class Rule:
     pattern: re.Pattern[str]
-    reply: str
+    reply: str | tuple[int, ...]  # text to tokenize, or exact token ids
 
 
 def load_rules(path: Path) -> list[Rule]:
@@ -63,20 +65,24 @@ def load_rules(path: Path) -> list[Rule]:
         raise ModelLoadError(f"cannot parse {path}: {exc}") from None
     if not isinstance(data, list):
         raise ModelLoadError(f'{path}: expected a JSON list of {{"match": ..., "reply": ...}}')
-    rules = []
-    for i, entry in enumerate(data):
-        if not (
-            isinstance(entry, dict)
-            and isinstance(entry.get("match"), str)
-            and isinstance(entry.get("reply"), str)
-        ):
-            raise ModelLoadError(f'{path}: rule {i} needs string fields "match" and "reply"')
-        try:
-            pattern = re.compile(entry["match"])
-        except re.error as exc:
-            raise ModelLoadError(f"{path}: rule {i} has an invalid regex: {exc}") from None
-        rules.append(Rule(pattern, entry["reply"]))
-    return rules
+    return [_rule(path, i, entry) for i, entry in enumerate(data)]
+
+
+def _rule(path: Path, i: int, entry: object) -> Rule:
+    if not isinstance(entry, dict) or not isinstance(entry.get("match"), str):
+        raise ModelLoadError(f'{path}: rule {i} needs a string field "match"')
+    reply = entry.get("reply")
+    ids = entry.get("reply_ids")
+    ids_ok = isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)
+    if not (isinstance(reply, str) and ids is None or reply is None and ids_ok):
+        raise ModelLoadError(
+            f'{path}: rule {i} needs "reply" (a string) or "reply_ids" (a list of token ids)'
+        )
+    try:
+        pattern = re.compile(entry["match"])
+    except re.error as exc:
+        raise ModelLoadError(f"{path}: rule {i} has an invalid regex: {exc}") from None
+    return Rule(pattern, reply if isinstance(reply, str) else tuple(ids))  # type: ignore[arg-type]
 
 
 class Script:
@@ -91,11 +97,15 @@ class Script:
         self._table: LRUCache[bytes, tuple[tuple[int, ...], int]] = LRUCache(_TABLE_SIZE)
         self.num_prompts_decided = 0  # prompts whose rule was chosen (tests read it)
 
-    def reply_for(self, prompt: str) -> str:
+    def reply_for(self, prompt: str) -> tuple[int, ...]:
+        reply: str | tuple[int, ...] = NO_MATCH_REPLY
         for rule in self.rules:
             if rule.pattern.search(prompt):
-                return rule.reply
-        return NO_MATCH_REPLY
+                reply = rule.reply
+                break
+        if isinstance(reply, tuple):
+            return reply
+        return tuple(self.tokenizer.encode(reply, add_special_tokens=False))
 
     def next_token(self, history: torch.Tensor) -> int:  # history [n] int64 on the CPU
         hasher = hashlib.blake2b(history.numpy().tobytes(), digest_size=16)
@@ -103,8 +113,7 @@ class Script:
         state = self._table.get(key)
         if state is None:
             prompt = self.tokenizer.decode(history.tolist(), skip_special_tokens=False)
-            text = self.reply_for(prompt)
-            state = (tuple(self.tokenizer.encode(text, add_special_tokens=False)), 0)
+            state = (self.reply_for(prompt), 0)
             self._table[key] = state
             self.num_prompts_decided += 1
         reply, k = state
@@ -194,6 +203,9 @@ def load_scripted(
         rms_norm_eps=1e-6,
         eos_token_ids=tokenizer.eos_token_ids,
     )
+    for i, rule in enumerate(rules):
+        if isinstance(rule.reply, tuple) and any(t >= tokenizer.vocab_size for t in rule.reply):
+            raise ModelLoadError(f"{path}: rule {i} has reply_ids outside the vocabulary")
     script = Script(rules, tokenizer, tokenizer.eos_token_ids[0])
     model = ScriptedForCausalLM(cfg, script).to(device).eval()
     # The rules and the tokenizer decide every output: together they are the "weights".

@@ -110,7 +110,10 @@ def test_kv_is_eight_bytes_a_token(scripted: LoadedModel) -> None:
     ("rules", "fragment"),
     [
         ({"match": "a", "reply": "b"}, "expected a JSON list"),
-        ([{"match": "a"}], 'rule 0 needs string fields "match" and "reply"'),
+        ([{"reply": "a"}], 'rule 0 needs a string field "match"'),
+        ([{"match": "a"}], 'rule 0 needs "reply" (a string) or "reply_ids"'),
+        ([{"match": "a", "reply_ids": [1, "x"]}], 'rule 0 needs "reply" (a string) or'),
+        ([{"match": "a", "reply_ids": [10**7]}], "rule 0 has reply_ids outside the vocabulary"),
         ([{"match": "(", "reply": "b"}], "rule 0 has an invalid regex"),
     ],
 )
@@ -153,3 +156,11 @@ def test_random_preset_takes_a_real_tokenizer() -> None:
     assert loaded.tokenizer.eos_token_ids[0] == loaded.tokenizer.token_to_id("<|im_end|>")
     [out] = run_ids(loaded, [chat_ids(loaded, "hi")], max_tokens=3)
     assert len(out) == 3 and all(0 <= t < 151669 for t in out)
+
+
+def test_reply_ids_are_emitted_exactly(tmp_path: Path, demo_dir: Path) -> None:
+    tok = load_model("demo", CPU, torch.float32, cache_dir=demo_dir.parent).tokenizer
+    split = tok.encode("Hel", add_special_tokens=False) + tok.encode("lo", add_special_tokens=False)
+    path = write_rules(tmp_path, [{"match": "greet", "reply_ids": split}])
+    loaded = load_model(f"scripted:{path}", CPU, torch.float32, cache_dir=demo_dir.parent)
+    assert run_ids(loaded, [chat_ids(loaded, "greet me")]) == [split]
