@@ -87,16 +87,27 @@ def run_agent(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Comp
         timeout=CLI_TIMEOUT_S,
         stdin=subprocess.DEVNULL,
     )
-    print(f"$ {' '.join(cmd[:3])} ...\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(f"$ {' '.join(cmd[:4])} ...\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
-def assert_round_trip(agent: str, proc: subprocess.CompletedProcess, work: Path) -> None:
+def json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def assert_round_trip(
+    agent: str, proc: subprocess.CompletedProcess, work: Path, answer: str, tokens: tuple[int, int]
+) -> None:
+    """The tool ran, the final answer came back, and the turn after the tool call reused the
+    session's KV: `tokens` = (prompt tokens the agent was told were computed, cached)."""
     proof = work / "proof.txt"
     assert proof.exists(), f"{agent} did not run the tool call (rc {proc.returncode})"
     assert proof.read_text().strip() == f"made-by-{agent}"
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert final_answer(agent) in proc.stdout
+    assert answer == final_answer(agent)
+    computed, cached = tokens
+    # Full reuse caches turn 1's prompt + output: about all that was computed. None: ~0.
+    assert cached >= 0.9 * computed > 0, tokens
 
 
 def test_claude_code(server_url: str, tmp_path: Path) -> None:
@@ -114,9 +125,12 @@ def test_claude_code(server_url: str, tmp_path: Path) -> None:
         DISABLE_ERROR_REPORTING="1",
         IS_SANDBOX="1",  # lets --dangerously-skip-permissions run as root (CI containers)
     )
-    cmd = [str(claude), "-p", "scripted-task-claude: write the proof file"]
-    proc = run_agent([*cmd, "--dangerously-skip-permissions"], work, env)
-    assert_round_trip("claude", proc, work)
+    cmd = [str(claude), "-p", "scripted-task-claude: write the proof file", "--output-format"]
+    proc = run_agent([*cmd, "json", "--dangerously-skip-permissions"], work, env)
+    [result] = json_lines(proc.stdout) or [{}]
+    usage = result.get("usage", {})
+    tokens = (usage.get("input_tokens", 0), usage.get("cache_read_input_tokens", 0))
+    assert_round_trip("claude", proc, work, result.get("result", ""), tokens)
 
 
 def test_codex(server_url: str, tmp_path: Path) -> None:
@@ -134,9 +148,14 @@ def test_codex(server_url: str, tmp_path: Path) -> None:
         'http_headers = { "X-Session-Id" = "codex-1" }\n'
     )
     env = isolated_env(tmp_path / "home", CODEX_HOME=str(codex_home))
-    cmd = [str(codex), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write"]
+    cmd = [str(codex), "exec", "--json", "--skip-git-repo-check", "--sandbox", "workspace-write"]
     proc = run_agent([*cmd, "scripted-task-codex: write the proof file"], work, env)
-    assert_round_trip("codex", proc, work)
+    events = json_lines(proc.stdout)
+    items = [e["item"] for e in events if e.get("type") == "item.completed"]
+    answer = next((i["text"] for i in items if i.get("type") == "agent_message"), "")
+    usage = next((e["usage"] for e in events if e.get("type") == "turn.completed"), {})
+    cached = usage.get("cached_input_tokens", 0)
+    assert_round_trip("codex", proc, work, answer, (usage.get("input_tokens", 0) - cached, cached))
 
 
 def test_opencode(server_url: str, tmp_path: Path) -> None:
@@ -165,5 +184,10 @@ def test_opencode(server_url: str, tmp_path: Path) -> None:
     env = isolated_env(
         tmp_path / "home", OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1"
     )
-    proc = run_agent([str(opencode), "run", "scripted-task-opencode: write the proof"], work, env)
-    assert_round_trip("opencode", proc, work)
+    cmd = [str(opencode), "run", "--format", "json", "scripted-task-opencode: write the proof"]
+    proc = run_agent(cmd, work, env)
+    parts = [e["part"] for e in json_lines(proc.stdout) if "part" in e]
+    answer = "".join(p["text"] for p in parts if p.get("type") == "text")
+    steps = [p["tokens"] for p in parts if p.get("type") == "step-finish"]
+    tokens = (sum(t["input"] for t in steps), sum(t["cache"]["read"] for t in steps))
+    assert_round_trip("opencode", proc, work, answer, tokens)
