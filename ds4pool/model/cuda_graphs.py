@@ -1,13 +1,17 @@
-"""CUDA graphs of the decode forward, one per batch-size bucket.
+"""CUDA graphs of the decode forward, one per (batch-size bucket, table-width bucket).
 
-A decode step of B sequences runs the graph of the smallest bucket >= B: the whole model
-forward plus the LM head, reading the input batch's persistent buffers (ids, positions,
-slots, context lengths, block tables) and writing logits into a static buffer. Rows
-[B, bucket) are padding (see input_batch.py). Replaying a graph costs one launch instead
-of ~15 kernels × layers of Python dispatch; prompt chunks and mixed steps run eagerly.
+A decode step of B sequences whose longest context spans W blocks runs the graph of the
+smallest batch bucket >= B and width bucket >= W: the whole model forward plus the LM
+head, reading the input batch's persistent buffers (ids, positions, slots, context
+lengths, block tables [:, :width]) and writing logits into one static buffer. Rows
+[B, bucket) are padding (see input_batch.py). The width bucket bounds the decode kernel's
+grid (its split-K partitions follow the table width), so short contexts do not pay for
+the model's maximum. Replaying a graph costs one launch instead of ~15 kernels × layers
+of Python dispatch; prompt chunks and mixed steps run eagerly.
 
-All graphs share one memory pool; they are captured largest first so smaller ones reuse
-its blocks. Capture happens once, at start-up (a few seconds for an 8B model).
+Graphs are captured on first use of their shape (tens of ms each) and share one memory
+pool: their temporaries are dead after each replay and their output is copied into the
+static logits buffer, which lives outside the pool, so any replay order is safe.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from torch import nn
 from ds4pool.model.input_batch import InputBatch
 
 log = logging.getLogger(__name__)
+
+
+def width_buckets(max_blocks: int) -> list[int]:
+    """Table widths 64, 256, 1024, ... blocks (×4), capped by the model's maximum."""
+    widths, w = [], 64
+    while w < max_blocks:
+        widths.append(w)
+        w *= 4
+    return [*widths, max_blocks]
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -39,14 +52,19 @@ class DecodeGraphs:
         kv_caches: Sequence[torch.Tensor],
         batch: InputBatch,
         buckets: Sequence[int],
+        vocab_size: int,
+        dtype: torch.dtype,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.batch = batch
         self.buckets = sorted(buckets)
+        self.widths = width_buckets(batch.max_blocks)
         assert self.buckets and self.buckets[-1] <= batch.max_rows
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool: tuple[int, int] | None = None
+        self._logits = torch.empty((batch.max_rows, vocab_size), dtype=dtype, device=batch.device)
+        self.captures = 0
 
     def bucket_for(self, n: int) -> int | None:
         for b in self.buckets:
@@ -54,36 +72,37 @@ class DecodeGraphs:
                 return b
         return None
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        meta = self.batch.metadata(bucket, None)
-        hidden = self.model(self.batch.input_ids[:bucket], self.kv_caches, meta)
-        return self.model.compute_logits(hidden)  # [bucket, V]
+    def width_for(self, max_context: int) -> int:
+        blocks = -(-max_context // self.batch.layout.block_size)
+        return next(w for w in self.widths if w >= blocks)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        # Padding inputs everywhere: every row writes the scratch slot, context 0.
-        rows = self.batch.max_rows
-        self.batch.tokens.zero_()
-        self.batch.tokens[2].fill_(self.batch.layout.scratch_slot)
-        self.batch.context_lens.zero_()
+    def _forward(self, bucket: int, width: int) -> None:
+        meta = self.batch.metadata(bucket, None, width)
+        hidden = self.model(self.batch.input_ids[:bucket], self.kv_caches, meta)
+        self._logits[:bucket].copy_(self.model.compute_logits(hidden))  # [bucket, V]
+
+    def _capture(self, bucket: int, width: int) -> torch.cuda.CUDAGraph:
+        # The buffers hold this step's real inputs; warm-up and capture run the forward on
+        # them twice more, which rewrites the same K/V at the same slots (idempotent).
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                self._forward(min(rows, self.buckets[-1]))
+            self._forward(bucket, width)  # warm-up: Triton compiles, cuBLAS picks kernels
         torch.cuda.current_stream().wait_stream(stream)
-        pool = None
-        for b in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(b)
-            pool = graph.pool()
-            self._graphs[b] = graph
-        torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(bucket, width)
+        self._pool = graph.pool()
+        self.captures += 1
+        log.debug("captured a decode CUDA graph: batch %d, width %d blocks", bucket, width)
+        return graph
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        """Run the graph of `bucket` over the current buffers; logits [bucket, V] (static:
-        valid until the next replay)."""
-        self._graphs[bucket].replay()
-        return self._logits[bucket]
+    def replay(self, bucket: int, max_context: int) -> torch.Tensor:
+        """Run the graph of (bucket, width for max_context) over the current buffers;
+        logits [bucket, V] (static: valid until the next replay)."""
+        key = (bucket, self.width_for(max_context))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(*key)
+        graph.replay()
+        return self._logits[:bucket]

@@ -83,7 +83,7 @@ class InputBatch:
         d_cols: list[int] = []
         d_vals: list[int] = []
         for i, r in enumerate(rows):
-            table = r.block_table
+            table = r.block_table[: self.max_blocks]  # blocks past the model's context: unused
             ids.append(r.token_id)
             pos.append(r.position)
             slots.append(table[r.position // bs] * bs + r.position % bs)
@@ -121,16 +121,20 @@ class InputBatch:
             self._rows[i] = None  # padding rows' tables are never read (context 0)
         return max(ctx[:n])
 
-    def metadata(self, bucket: int, max_context: int | None) -> AttentionMetadata:
-        """Decode metadata over rows [0, bucket) of the buffers. `max_context` None: graph
-        capture (no host value may shape the work); else the step's largest context."""
+    def metadata(
+        self, bucket: int, max_context: int | None, width: int | None = None
+    ) -> AttentionMetadata:
+        """Decode metadata over rows [0, bucket) of the buffers and the first `width` block
+        columns (default: enough for `max_context`, the step's largest context)."""
         bs = self.layout.block_size
-        width = self.max_blocks if max_context is None else -(-max_context // bs)
+        if width is None:
+            assert max_context is not None
+            width = -(-max_context // bs)
         rows = self.arange[:bucket]
         return AttentionMetadata(
             positions=self.tokens[POSITIONS, :bucket],
             slot_mapping=self.tokens[SLOTS, :bucket],
-            block_tables=self.tables[:bucket],
+            block_tables=self.tables[:bucket, :width],
             context_lens=self.context_lens[:bucket],
             decode_rows=rows,
             decode_tokens=rows,

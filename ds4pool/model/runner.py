@@ -26,6 +26,7 @@ from ds4pool.model.cuda_graphs import DecodeGraphs, default_buckets
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
+from ds4pool.model.ops import TorchOps, TritonOps
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
 
@@ -98,7 +99,7 @@ class ModelRunner:
         self.backend = select_backend(backend, self.device)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
-            set_backend(self.backend)
+            set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.batch = InputBatch(
@@ -116,9 +117,13 @@ class ModelRunner:
         )
         if cuda_graphs and self.device.type == "cuda" and graphable:
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, self.batch, default_buckets(max_decode_batch)
+                self.model,
+                self.kv_caches,
+                self.batch,
+                default_buckets(max_decode_batch),
+                cfg.vocab_size,
+                loaded.dtype,
             )
-            self.graphs.capture()
 
     @staticmethod
     def blocks_for_bytes(loaded: LoadedModel, block_size: int, nbytes: int) -> int:
@@ -187,7 +192,7 @@ class ModelRunner:
         )
         if bucket is not None:
             assert self.graphs is not None
-            return self.graphs.replay(bucket)[:n]
+            return self.graphs.replay(bucket, max_ctx)[:n]
         meta = self.batch.metadata(n, max_ctx)
         hidden = self.model(self.batch.input_ids[:n], self.kv_caches, meta)  # [B, E]
         return self.model.compute_logits(hidden)

@@ -1,0 +1,225 @@
+"""Triton paged attention: split-K decode and varlen causal prefill over the paged KV cache.
+
+Layout (shared with `ds4pool.model.attention`): one layer's cache is [2, N, bs, H_kv, D];
+k_cache = cache[0] and v_cache = cache[1] are [N, bs, H_kv, D] views. Token p of a sequence
+lives in block block_table[p // bs] at offset p % bs. Both kernels read K/V through the block
+table one token row (D contiguous elements) at a time, so a tile of BLOCK_N keys may span
+BLOCK_N / bs paged blocks in any order; nothing is ever gathered into a contiguous copy.
+
+GQA: G = H / H_kv query heads share a kv head. A program always owns one kv head and all G of
+its query heads, so every K/V element is read once per program, not once per query head.
+
+Decode (one query token per sequence) is memory bound: its cost is reading K/V once. With one
+program per (sequence, kv head) a batch of 1-8 long contexts fills only 8-64 of the GPU's SMs,
+so the context is split into partitions of `partition_size` tokens (flash-decoding, split-K):
+grid (B, H_kv, P). Each program runs an online softmax over its partition with a q tile
+[G padded to 16, D] against k tiles [BLOCK_N, D] (tensor-core tl.dot), and writes a partial
+output normalised by its own sum plus the partition's log-sum-exp. A small reduce kernel,
+grid (B, H), combines the P partials with weights exp(lse_p - max lse). When P == 1 the main
+kernel writes the output directly and no reduce runs. P is a runtime argument (only "P > 1"
+is a compile-time flag), so new context buckets do not recompile the kernels.
+
+Prefill is compute bound: flash-attention tiles of BLOCK_M query rows x BLOCK_N keys, where
+the M rows fold BLOCK_M // G query tokens x G heads of one kv head (row m is token m // G,
+head m % G), so K/V tiles are shared by the G heads without repeating them. Grid
+(S, ceil(max_query_len / BLOCK_Q), H_kv). The new tokens of sequence s sit at positions
+[ctx - q_len, ctx); a query tile walks its key tiles in three runs: the few crossed by the
+sliding window's lower edge (masked), those every row sees in full (no mask), and the few on
+the causal diagonal (masked); tiles above the diagonal or before the window are never visited.
+The longest (last) query tiles launch first. q_len = 1 rows work, so a mixed step can use
+this kernel for all its tokens (a step of single tokens gets a 16-row tile), though decode rows
+there get no split-K: `paged_decode` is the faster call for them.
+
+CUDA-graph safety: every grid and scratch size derives from tensor SHAPES and host ints
+(max_blocks, B, H, max_query_len), never from the values in context_lens / query_start /
+block_tables, so a launch can be captured once and replayed with new values written into the
+same buffers. Programs whose partition or query tile lies past their row's data exit early;
+rows with context_len 0 (padding rows of a graph bucket) write zeros. No host syncs.
+Scratch for the partials is allocated with torch.empty in the call (captured graphs keep the
+allocation in their private pool) unless a `DecodeWorkspace` is passed.
+
+Accumulation is fp32 for bf16/fp16 inputs; fp32 inputs use IEEE fp32 dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ds4pool.model.kernels._decode_kernels import decode_kernel, decode_reduce_kernel
+from ds4pool.model.kernels._prefill_kernels import prefill_kernel
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of the decode kernel (partition_size must be a multiple of block_n)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Launch parameters of the prefill kernel: BLOCK_M rows (tokens x heads) by BLOCK_N keys."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+DEFAULT_DECODE = DecodeLaunch()
+DEFAULT_PREFILL = PrefillLaunch()
+DEFAULT_PARTITION = 512
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Preallocated split-K scratch: out [B, H, P, D] fp32 and lse [B, H, P] fp32."""
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_common(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+) -> tuple[int, int, int]:
+    n_heads, d = q.shape[1], q.shape[2]
+    _, _, h_kv, d_kv = k_cache.shape
+    assert v_cache.shape == k_cache.shape and d_kv == d, (q.shape, k_cache.shape)
+    assert n_heads % h_kv == 0, (n_heads, h_kv)
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, q.shape)
+    assert q.stride(-1) == 1 and out.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    return n_heads, h_kv, d
+
+
+def decode_num_partitions(max_blocks: int, block_size: int, partition_size: int) -> int:
+    """P of the split-K grid: from shapes only, so it is fixed for a captured graph."""
+    return max(1, -(-max_blocks * block_size // partition_size))
+
+
+def decode_workspace(
+    batch: int, heads: int, head_dim: int, num_partitions: int, device: torch.device
+) -> DecodeWorkspace:
+    """Scratch for `paged_decode`, e.g. allocated once per CUDA-graph bucket and reused by layers.
+
+    num_partitions = decode_num_partitions(max_blocks, block_size, partition_size).
+    """
+    return DecodeWorkspace(
+        torch.empty((batch, heads, num_partitions, head_dim), dtype=torch.float32, device=device),
+        torch.empty((batch, heads, num_partitions), dtype=torch.float32, device=device),
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, bs, H_kv, D]
+    v_cache: torch.Tensor,  # [N, bs, H_kv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 (or int64)
+    context_lens: torch.Tensor,  # [B] int32 (or int64), incl. the query's own token
+    scale: float,
+    out: torch.Tensor,  # [B, H, D], written in place
+    *,
+    sliding_window: int | None = None,
+    partition_size: int = DEFAULT_PARTITION,
+    launch: DecodeLaunch = DEFAULT_DECODE,
+    workspace: DecodeWorkspace | None = None,
+) -> None:
+    """Attention of one query token per sequence over its paged context (split-K)."""
+    n_heads, h_kv, d = _check_common(q, k_cache, v_cache, out)
+    batch, max_blocks = block_tables.shape
+    bs = k_cache.shape[1]
+    assert q.shape[0] == batch == context_lens.shape[0], (q.shape, block_tables.shape)
+    assert block_tables.stride(1) == 1 and context_lens.stride(0) == 1
+    assert partition_size % launch.block_n == 0, (partition_size, launch.block_n)
+    if batch == 0:
+        return
+    g = n_heads // h_kv
+    num_parts = decode_num_partitions(max_blocks, bs, partition_size)
+    if workspace is None and num_parts > 1:
+        workspace = decode_workspace(batch, n_heads, d, num_parts, q.device)
+    if workspace is not None:
+        expect = (batch, n_heads, num_parts, d)
+        assert workspace.partial_out.shape[1:] == expect[1:], (workspace.partial_out.shape, expect)
+        assert workspace.partial_out.shape[0] >= batch and workspace.partial_out.is_contiguous()
+        assert workspace.partial_lse.shape[1:] == expect[1:3]
+        assert workspace.partial_lse.is_contiguous()
+    part_out = workspace.partial_out if workspace is not None else out
+    part_lse = workspace.partial_lse if workspace is not None else out
+    window = sliding_window or 0
+    d_pad = triton.next_power_of_2(d)
+    decode_kernel[(batch, h_kv, num_parts)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * _LOG2E, window,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_parts,
+        H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
+        BLOCK_N=launch.block_n, PARTITION=partition_size, SPLIT=num_parts > 1,
+        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    if num_parts == 1:
+        return
+    decode_reduce_kernel[(batch, n_heads)](
+        part_out, part_lse, context_lens, out, window, out.stride(0), out.stride(1), num_parts,
+        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, P_CHUNK=16,
+        USE_WINDOW=window > 0, num_warps=4,
+    )  # fmt: skip
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [N, bs, H_kv, D]
+    v_cache: torch.Tensor,  # [N, bs, H_kv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32 (or int64)
+    query_start: torch.Tensor,  # [S + 1] int32 (or int64)
+    context_lens: torch.Tensor,  # [S] int32 (or int64), after this step
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]
+    *,
+    sliding_window: int | None = None,
+    launch: PrefillLaunch = DEFAULT_PREFILL,
+) -> None:
+    """Causal varlen attention of each sequence's new tokens over its paged context."""
+    n_heads, h_kv, d = _check_common(q, k_cache, v_cache, out)
+    n_seqs = block_tables.shape[0]
+    assert query_start.shape[0] == n_seqs + 1 == context_lens.shape[0] + 1
+    assert block_tables.stride(1) == 1
+    if n_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
+        return
+    g = n_heads // h_kv
+    # short queries (decode rows, q_len * G <= 16) get a 16-row tile instead of wasting most of
+    # BLOCK_M; the tile never drops below one token's G heads
+    rows = max(triton.next_power_of_2(max_query_len * g), 16)
+    block_m = max(min(launch.block_m, rows), triton.next_power_of_2(g), 16)
+    block_q = block_m // g
+    num_warps = launch.num_warps if block_m >= 64 else min(launch.num_warps, 4)
+    window = sliding_window or 0
+    grid = (n_seqs, math.ceil(max_query_len / block_q), h_kv)
+    prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start, context_lens, out,
+        scale * _LOG2E, window,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        G=g, D=d, D_PAD=triton.next_power_of_2(d), BS=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=launch.block_n,
+        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,132 @@
+"""The CUDA fast path end to end: the Triton backend with CUDA graphs against the torch
+reference backend (the oracle), on whole models.
+
+- bf16 logits of paged decode steps: the fast path's error against the fp32 reference is
+  within the bf16 tolerance and no worse than the bf16 torch reference's own (x1.25);
+- greedy tokens: over 1,024 teacher-forced decode positions (every runner fed the fp32
+  reference's tokens, so one early flip cannot cascade) the fast path's argmax equals the
+  bf16 torch reference's at >= 99% of positions;
+- CUDA-graph replay (padded buckets, several table widths) == eager Triton decode;
+- batched == solo through graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4pool.kv.blocks import BlockPool, BlockTable
+from ds4pool.model.loader import LoadedModel, load_model
+from ds4pool.model.runner import ModelRunner, SeqInput
+
+pytestmark = pytest.mark.cuda
+pytest.importorskip("triton")
+
+BF16_TOL = 5e-2  # max |Δlogit| relative to the logits' scale, as the fidelity tests state
+
+
+@pytest.fixture(scope="module", params=["demo", "random:100m"])
+def loaded32(request: pytest.FixtureRequest, demo_dir: Path) -> LoadedModel:
+    spec = str(demo_dir) if request.param == "demo" else request.param
+    return load_model(spec, torch.device("cuda"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def loaded(loaded32: LoadedModel) -> LoadedModel:
+    """The same weights in bf16 (random presets draw per dtype, so convert, don't reload)."""
+    model = copy.deepcopy(loaded32.model).to(torch.bfloat16)
+    return dataclasses.replace(loaded32, model=model, dtype=torch.bfloat16)
+
+
+def runner(loaded: LoadedModel, backend: str, graphs: bool) -> ModelRunner:
+    return ModelRunner(loaded, num_blocks=1024, backend=backend, cuda_graphs=graphs)
+
+
+def decode_trace(
+    r: ModelRunner, prompts: list[list[int]], forced: list[list[int]] | None, steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill, then `steps` batched decode steps; feeds `forced` tokens if given (teacher
+    forcing), else the runner's own greedy tokens. Returns tokens and per-step logits."""
+    pool = BlockPool(r.num_blocks)
+    tables = [BlockTable(r.block_size) for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits = []
+    for i, (p, t) in enumerate(zip(prompts, tables)):
+        t.ensure(pool, len(p))
+        out = r.step([SeqInput(p, 0, t.blocks)], return_logits=True)
+        tokens[i].append(out.sampled[0])
+    for k in range(steps):
+        seqs = []
+        for i, (p, t) in enumerate(zip(prompts, tables)):
+            n = len(p) + k
+            t.ensure(pool, n + 1)
+            feed = forced[i][k] if forced else tokens[i][k]
+            seqs.append(SeqInput([feed], n, t.blocks, seq_id=i + 1, table_epoch=t.epoch))
+        out = r.step(seqs, return_logits=True)
+        assert out.logits is not None
+        logits.append(out.logits.clone())
+        for i, tok in enumerate(out.sampled):
+            tokens[i].append(tok)
+    return tokens, logits
+
+
+def worst_error(truth: list[torch.Tensor], got: list[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(truth, got))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    # position k+1 of each row: the argmax after the same k forced tokens
+    same = sum(int(x == y) for ra, rb in zip(a, b) for x, y in zip(ra[1:], rb[1:]))
+    return same, sum(len(r) - 1 for r in a)
+
+
+def test_triton_graphs_match_the_torch_reference(
+    loaded32: LoadedModel, loaded: LoadedModel
+) -> None:
+    vocab = loaded.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (70, 5, 300, 33)]
+    steps = 256  # x 4 sequences = 1,024 decode positions
+    truth_tokens, truth = decode_trace(runner(loaded32, "torch", False), prompts, None, steps)
+    ref_tokens, ref = decode_trace(runner(loaded, "torch", False), prompts, truth_tokens, steps)
+    fast = runner(loaded, "triton", graphs=True)
+    assert fast.graphs is not None
+    fast_tokens, got = decode_trace(fast, prompts, truth_tokens, steps)
+    ref_err, fast_err = worst_error(truth, ref), worst_error(truth, got)
+    first = worst_error(truth[:16], got[:16])
+    same, total = agreement(ref_tokens, fast_tokens)
+    print(
+        f"\n{loaded.name}: max rel |Δlogit| vs fp32 over {steps} steps: torch bf16 "
+        f"{ref_err:.2e}, triton+graphs bf16 {fast_err:.2e} (first 16 steps {first:.2e}); "
+        f"greedy agreement with torch bf16 {same}/{total}"
+    )
+    # The stated bf16 tolerance holds for the first steps (as in test_fidelity); over a long
+    # trace bf16 KV drifts from fp32 for any implementation: the fast path may not be worse.
+    assert first < BF16_TOL, first
+    assert fast_err <= 1.25 * ref_err + 1e-3, (fast_err, ref_err)
+    assert same >= 0.99 * total
+
+
+def test_graph_replay_equals_eager_triton_and_batched_equals_solo(loaded: LoadedModel) -> None:
+    vocab = loaded.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    # 5 sequences: bucket 8 (3 padding rows); one context crosses the 64-block width bucket
+    lens = (20, 1100, 7, 64, 300)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+    eager = runner(loaded, "triton", graphs=False)
+    e_tokens, e_logits = decode_trace(eager, prompts, None, 12)
+    del eager
+    graphed = runner(loaded, "triton", graphs=True)
+    g_tokens, g_logits = decode_trace(graphed, prompts, e_tokens, 12)
+    assert graphed.graphs is not None and graphed.graphs.captures >= 1
+    for a, b in zip(e_logits, g_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * float(a.abs().max()))
+    solo = [decode_trace(graphed, [p], [t], 12)[1] for p, t in zip(prompts, e_tokens)]
+    for i, per_seq in enumerate(solo):
+        for k, row in enumerate(per_seq):
+            scale = float(row.abs().max())
+            torch.testing.assert_close(g_logits[k][i], row[0], rtol=0, atol=1e-2 * scale)
