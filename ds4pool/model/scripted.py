@@ -107,12 +107,15 @@ class Script:
             return reply
         return tuple(self.tokenizer.encode(reply, add_special_tokens=False))
 
-    def next_token(self, history: torch.Tensor) -> int:  # history [n] int64 on the CPU
+    def next_token(self, history: torch.Tensor) -> int:
+        """history [n] float32 on the CPU: the ids as the cache holds them (hashed as they
+        are, no conversion: this runs every step over the whole history)."""
         hasher = hashlib.blake2b(history.numpy().tobytes(), digest_size=16)
         key = hasher.digest()
         state = self._table.get(key)
         if state is None:
-            prompt = self.tokenizer.decode(history.tolist(), skip_special_tokens=False)
+            ids = history.to(torch.int64).tolist()
+            prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
             state = (self.reply_for(prompt), 0)
             self._table[key] = state
             self.num_prompts_decided += 1
@@ -120,7 +123,7 @@ class Script:
         if k >= len(reply):
             return self.eos_id
         token = reply[k]
-        hasher.update(torch.tensor([token], dtype=torch.int64).numpy().tobytes())
+        hasher.update(torch.tensor([token], dtype=history.dtype).numpy().tobytes())
         self._table[hasher.digest()] = (reply, k + 1)
         return token
 
@@ -175,8 +178,7 @@ class ScriptedForCausalLM(nn.Module):
             n = pos + 1  # the history ends at the token this row belongs to
             table = meta.block_tables[row, : -(-n // bs)]
             ids = KVLayout.keys(cache)[table].reshape(-1)[:n]  # [n] in token order
-            history = ids.to(torch.int64).cpu()
-            logits[i, self.script.next_token(history)] = 0.0
+            logits[i, self.script.next_token(ids.cpu())] = 0.0
         return logits
 
 
