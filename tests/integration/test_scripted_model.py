@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import torch
@@ -118,3 +119,13 @@ def test_serve_cli_scripted_survives_a_restart(tmp_path: Path, demo_dir: Path) -
     assert second.choices[0].message.content == "It was PAPAYA."
     details = second.usage.prompt_tokens_details
     assert details is not None and details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_anthropic_messages_get_the_script(server: Server) -> None:
+    c = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "hello"}]
+    full = c.messages.create(model="m", max_tokens=100, messages=msgs)  # type: ignore[arg-type]
+    assert [b.text for b in full.content if b.type == "text"] == ["Hello from the script! 你好 🙂"]
+    assert full.stop_reason == "end_turn"
+    with c.messages.stream(model="m", max_tokens=100, messages=msgs) as stream:  # type: ignore[arg-type]
+        assert "".join(stream.text_stream) == "Hello from the script! 你好 🙂"
