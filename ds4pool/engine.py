@@ -25,6 +25,7 @@ GB = 1 << 30
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "demo"
+    tokenizer: Path | None = None  # random:* and scripted:* only: a tokenizer directory
     device: str = "auto"
     dtype: str = "auto"
     kv_device_gb: float | None = None  # None: 2 GB on CPU/MPS, 85% of free memory on CUDA
@@ -99,7 +100,12 @@ class Engine:
             device = select_device(cfg.device)
             dtype = select_dtype(cfg.dtype, device)
             loaded = load_model(
-                cfg.model, device, dtype, show_progress=cfg.show_progress, cache_dir=cfg.cache_dir
+                cfg.model,
+                device,
+                dtype,
+                show_progress=cfg.show_progress,
+                cache_dir=cfg.cache_dir,
+                tokenizer_dir=cfg.tokenizer,
             )
         self.loaded = loaded
         num_blocks = ModelRunner.blocks_for_bytes(

@@ -41,7 +41,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g,
         "--model",
         default="demo",
-        help="'demo', 'random:100m', 'random:llama3-8b' or a local HF model directory",
+        help="'demo', 'random:100m', 'random:llama3-8b', a local HF model directory, or "
+        "'scripted:RULES.json' (the scripted test model)",
+    )
+    _flag(
+        g,
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer directory (tokenizer.json [+ tokenizer_config.json]) for random:* and "
+        "scripted:* models (default: the demo tokenizer)",
     )
     _flag(g, "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda[:N], mps")
     _flag(g, "--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -186,6 +195,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
     try:
         engine = EngineConfig(
             model=args.model,
+            tokenizer=args.tokenizer,
             device=args.device,
             dtype=args.dtype,
             kv_device_gb=args.kv_device_gb,
