@@ -41,7 +41,8 @@ def compile_sm90(fn: object, consts: dict, num_warps: int, num_stages: int) -> o
             )
         else:
             sig[p.name] = "fp32" if p.name == "scale_log2" else "i32"
-        if p.name.endswith("_ptr") or p.name.startswith("stride"):
+        aligned = p.name.endswith("_ptr") or p.name.startswith("stride")
+        if aligned and not p.do_not_specialize:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
     opts = dict(num_warps=num_warps, num_stages=num_stages)

@@ -8,7 +8,9 @@ import triton.language as tl
 from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
 
 
-@triton.jit
+# Values that change from step to step (table width, partition count) are not specialised on
+# (divisibility, == 1), so a new batch shape does not recompile the kernel.
+@triton.jit(do_not_specialize=["window", "stride_tb", "num_parts"])
 def decode_kernel(
     q_ptr,
     k_ptr,
@@ -101,7 +103,7 @@ def decode_kernel(
         tl.store(part_lse_ptr + slot, lse, mask=g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_parts"])
 def decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -57,7 +57,8 @@ def attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+# the table width changes from step to step: no divisibility specialisation, no recompile
+@triton.jit(do_not_specialize=["window", "stride_ts"])
 def prefill_kernel(
     q_ptr,
     k_ptr,
