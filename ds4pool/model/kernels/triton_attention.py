@@ -39,6 +39,11 @@ Scratch for the partials is allocated with torch.empty in the call (captured gra
 allocation in their private pool) unless a `DecodeWorkspace` is passed.
 
 Accumulation is fp32 for bf16/fp16 inputs; fp32 inputs use IEEE fp32 dots (no TF32).
+
+This module is the API (launch parameters, shape checks, grids); the kernels live in
+`_decode_kernels`, `_prefill_kernels` and `_tiles` (paged tile loads, online-softmax step).
+tests/unit/test_triton_compile.py compiles them for sm_90 on a CPU-only machine and checks
+that the K/V loads are software-pipelined.
 """
 
 from __future__ import annotations
@@ -195,7 +200,10 @@ def paged_prefill(
     sliding_window: int | None = None,
     launch: PrefillLaunch = DEFAULT_PREFILL,
 ) -> None:
-    """Causal varlen attention of each sequence's new tokens over its paged context."""
+    """Causal varlen attention of each sequence's new tokens over its paged context.
+
+    max_query_len must be >= every q_len (it sizes the grid; rows past it are not computed).
+    """
     n_heads, h_kv, d = _check_common(q, k_cache, v_cache, out)
     n_seqs = block_tables.shape[0]
     assert query_start.shape[0] == n_seqs + 1 == context_lens.shape[0] + 1
