@@ -82,6 +82,16 @@ def test_prefill_mixed_step_matches_torch_backend(window: int | None) -> None:
     assert rel_err(out, ref.double().cpu()) < 1e-2
 
 
+def test_decode_rows_through_prefill_kernel() -> None:
+    """A decode-only step through paged_prefill (16-row tiles) agrees with paged_decode."""
+    ctx = [1, 17, 513, 4000, 2049, 64]
+    case = make_case([1] * len(ctx), ctx, **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=3)  # fmt: skip
+    via_prefill = run_prefill(case)
+    assert rel_err(via_prefill, run_decode(case).double().cpu()) < 1e-2
+    assert rel_err(via_prefill, reference(case)) < 1e-2
+
+
 def test_prefill_d64_block32() -> None:
     case = make_case([200, 1, 64], [333, 100, 64], heads=8, kv_heads=2, head_dim=64,
                      block_size=32, dtype=torch.float16, device="cuda")  # fmt: skip
