@@ -66,6 +66,20 @@ def make_case(
     )
 
 
+def poison_unused_slots(case: PagedCase) -> None:
+    """NaN into every cache slot no sequence owns (spare blocks, tails of last blocks), in place.
+
+    Kernels must never read them: a masked score times a NaN value is still NaN.
+    """
+    bs = case.cache.shape[2]
+    used = torch.zeros(case.cache.shape[1], bs, dtype=torch.bool)
+    tables = case.block_tables.long().cpu()
+    for s, ctx in enumerate(case.context_lens.tolist()):
+        pos = torch.arange(ctx)
+        used[tables[s, pos // bs], pos % bs] = True
+    case.cache[:, ~used.to(case.cache.device)] = float("nan")
+
+
 def reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tensor:
     """float64 [T, H, D]; a sequence with an empty context gets zeros."""
     q = case.q.double().cpu()

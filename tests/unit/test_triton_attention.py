@@ -84,7 +84,7 @@ def _run_case(name: str) -> dict:
     import torch
 
     from ds4pool.model.kernels import triton_attention as ta
-    from tests.paged_cases import make_case, reference, rel_err
+    from tests.paged_cases import make_case, poison_unused_slots, reference, rel_err
 
     c = CASES[name]
     q_lens = c.query_lens or [1] * len(c.context_lens)
@@ -99,6 +99,7 @@ def _run_case(name: str) -> dict:
             query_start=case.query_start.long(),
             context_lens=case.context_lens.long(),
         )
+    poison_unused_slots(case)  # the kernels must not read past a row's context
     q = case.q
     if c.strided_q:  # row stride != H * D
         wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], dtype=q.dtype)
