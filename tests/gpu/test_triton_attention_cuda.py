@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.paged_cases import PagedCase, make_case, reference, rel_err, torch_reference
+from tests.paged_cases import (
+    PagedCase,
+    make_case,
+    poison_unused_slots,
+    reference,
+    rel_err,
+    torch_reference,
+)
 
 pytestmark = pytest.mark.cuda
 ta = pytest.importorskip("ds4pool.model.kernels.triton_attention")
@@ -59,6 +66,7 @@ def test_decode_matches_torch_backend(
 def test_decode_padding_rows_write_zeros() -> None:
     case = make_case([1] * 4, [0, 900, 0, 5], **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
                      device="cuda")  # fmt: skip
+    poison_unused_slots(case)  # NaN wherever no row's context reaches: never read
     out = run_decode(case, partition_size=256)
     assert (out[[0, 2]] == 0).all() and torch.isfinite(out).all()
     assert rel_err(out, reference(case)) < 1e-2
@@ -66,6 +74,7 @@ def test_decode_padding_rows_write_zeros() -> None:
 
 def test_decode_fp32_uses_exact_dots() -> None:
     case = make_case([1] * 3, [70, 1500, 9], **LLAMA3_8B, block_size=16, device="cuda")
+    poison_unused_slots(case)
     assert rel_err(run_decode(case), reference(case)) < 1e-5
 
 
