@@ -72,6 +72,23 @@ def test_decode_padding_rows_write_zeros() -> None:
     assert rel_err(out, reference(case)) < 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 500])
+def test_decode_fixed_partitions_on_a_wide_table(window: int | None) -> None:
+    """num_partitions: each row splits its own context; the table is 4x wider than needed."""
+    ctx = [1, 40, 700, 3000, 0, 129]
+    case = make_case([1] * len(ctx), ctx, **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=4)  # fmt: skip
+    wide = torch.zeros(len(ctx), 4 * case.block_tables.shape[1], dtype=torch.int32, device="cuda")
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    case = PagedCase(case.q, case.cache, wide, case.query_start, case.context_lens,
+                     case.query_lens, case.scale)  # fmt: skip
+    poison_unused_slots(case)
+    parts = ta.auto_num_partitions(len(ctx), 8, wide.shape[1] * 16, 132)
+    out = run_decode(case, window, num_partitions=parts)
+    assert torch.isfinite(out).all() and (out[4] == 0).all()
+    assert rel_err(out, reference(case, window)) < 1e-2
+
+
 def test_decode_fp32_uses_exact_dots() -> None:
     case = make_case([1] * 3, [70, 1500, 9], **LLAMA3_8B, block_size=16, device="cuda")
     poison_unused_slots(case)
