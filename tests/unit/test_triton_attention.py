@@ -80,6 +80,13 @@ CASES: dict[str, Case] = {
     "prefill_decode_rows": Case("prefill", [1, 37, 50], [1, 1, 1], block_m=128),
     # a window wide enough for unmasked tiles between its edge and the diagonal
     "prefill_window_mid": Case("prefill", [130, 70], [100, 70], kv_heads=1, window=40),
+    # key tiles of 4 paged blocks: a tile's aligned start reaches blocks freed before the window
+    "prefill_window_wide_tiles": Case(
+        "prefill", [200, 90], [60, 90], kv_heads=1, block_n=64, window=50
+    ),
+    "decode_window_wide_tiles": Case(
+        "decode", [300, 130, 7], block_n=64, partition_size=128, window=70
+    ),
     "decode_fp16_int64": Case(
         "decode", [5, 70, 0, 33], partition_size=32, dtype="float16", index64=True
     ),
@@ -93,7 +100,13 @@ def _run_case(name: str) -> dict:
     import torch
 
     from ds4pool.model.kernels import triton_attention as ta
-    from tests.paged_cases import make_case, poison_unused_slots, reference, rel_err
+    from tests.paged_cases import (
+        drop_blocks_before_window,
+        make_case,
+        poison_unused_slots,
+        reference,
+        rel_err,
+    )
 
     c = CASES[name]
     q_lens = c.query_lens or [1] * len(c.context_lens)
@@ -109,6 +122,8 @@ def _run_case(name: str) -> dict:
             context_lens=case.context_lens.long(),
         )
     poison_unused_slots(case)  # the kernels must not read past a row's context
+    if c.window:  # nor blocks before every query's window
+        drop_blocks_before_window(case, c.window)
     q = case.q
     if c.strided_q:  # row stride != H * D
         wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], dtype=q.dtype)
