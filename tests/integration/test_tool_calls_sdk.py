@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds4pool.model.loader import LoadedModel, load_model
+from ds4pool.output.processor import OutputConfig
 from tests.integration.conftest import Server
 from tests.real_tokenizers import real_tokenizer_dir
 
@@ -28,7 +29,12 @@ CALLS_REPLY = (
     "\n</tool_call>"
 )
 FINAL_REPLY = "<think>\nBoth tools answered.\n</think>\n\nIt is sunny in Paris; the note is saved."
+CODER_REPLY = (
+    "<tool_call>\n<function=write_file>\n<parameter=path>\nnotes/todo.md\n</parameter>\n"
+    f"<parameter=content>\n{CODE['content']}\n</parameter>\n</function>\n</tool_call>"
+)
 RULES = [
+    {"match": "coder-task", "reply": CODER_REPLY},
     # the second turn: both tool results are in the prompt
     {"match": r"<tool_response>\nsunny[\s\S]*<tool_response>\nwritten", "reply": FINAL_REPLY},
     {"match": r"weather in Paris[\s\S]*<think>\n\n</think>\n\n$", "reply": "No thinking: sunny."},
@@ -261,3 +267,38 @@ def test_anthropic_thinking_disabled(server: Server) -> None:
     )
     assert [b.type for b in msg.content] == ["text"]
     assert msg.content[0].text == "No thinking: sunny."  # type: ignore[union-attr]
+
+
+def test_qwen3_coder_xml_calls_with_the_flag(serve: Callable[..., Server]) -> None:
+    """--tool-parser qwen3_coder (ServerConfig.output): XML calls, values typed by the schema."""
+    server = serve(output=OutputConfig(tool_parser="qwen3_coder"))
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "write_file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                },
+            },
+        }
+    ]
+    ask = [{"role": "user", "content": "coder-task: write the todo note"}]
+    r = oai(server).chat.completions.create(model="m", messages=ask, tools=tools)  # type: ignore[arg-type]
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.name == "write_file" and json.loads(call.function.arguments) == CODE
+    stream = oai(server).chat.completions.create(
+        model="m",
+        messages=ask,
+        tools=tools,
+        stream=True,  # type: ignore[arg-type]
+    )
+    pieces = [
+        tc.function.arguments
+        for chunk in stream
+        for tc in chunk.choices[0].delta.tool_calls or []
+        if tc.function and tc.function.arguments
+    ]
+    assert len(pieces) > 5 and json.loads("".join(pieces)) == CODE
