@@ -46,6 +46,18 @@ async def list_models(request: HttpRequest) -> dict[str, Any]:
     }
 
 
+@get("/v1/models/{model_id:path}")
+async def get_model(request: HttpRequest, model_id: str) -> dict[str, Any]:
+    state = api_state(request)
+    authenticate(request, state)
+    model_id = model_id.removeprefix("/")  # a path parameter: served names may hold "/"
+    if model_id != state.model_name:
+        raise ApiError(
+            404, f"model {model_id!r} is not served here", param="model", code="model_not_found"
+        )
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "ds4pool"}
+
+
 def _unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported", param="n")
