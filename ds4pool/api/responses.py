@@ -67,7 +67,9 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
         state.cfg.output, engine.tokenizer, tools=offered, prompt_text=prompt_text
     )
     renderer = ResponseRenderer(
-        _skeleton(state, data, tools), parallel_tool_calls=data.parallel_tool_calls is not False
+        _skeleton(state, data, tools),
+        parallel_tool_calls=data.parallel_tool_calls is not False,
+        keeps_kv=req.session_id is not None,
     )
     gen = await start(request, state, req, tenant)
     headers = {SESSION_HEADER: req.session_id} if req.session_id else {}

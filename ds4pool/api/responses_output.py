@@ -47,9 +47,12 @@ class _Item:
 
 
 class ResponseRenderer:
-    def __init__(self, response: Json, *, parallel_tool_calls: bool = True) -> None:
+    def __init__(
+        self, response: Json, *, parallel_tool_calls: bool = True, keeps_kv: bool = True
+    ) -> None:
         """`response`: the Response object's fixed fields (id, created_at, model, tools, ...);
-        status, output, usage and the rest are filled in here."""
+        status, output, usage and the rest are filled in here. `keeps_kv`: the request has a
+        session, so the prompt tokens it computed stay cached for the next turn."""
         self.response: Json = {
             **response,
             "object": "response",
@@ -60,6 +63,7 @@ class ResponseRenderer:
             "incomplete_details": None,
         }
         self._parallel = parallel_tool_calls
+        self._keeps_kv = keeps_kv
         self._seq = 0
         self._open: _Item | None = None  # the message or reasoning item text goes to
         self._calls: dict[int, _Item] = {}  # open function calls by ToolCallStart.index
@@ -111,7 +115,10 @@ class ResponseRenderer:
     def usage(self, u: Usage) -> Json:
         return {
             "input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "input_tokens_details": {
+                "cached_tokens": u.cached_tokens,
+                "cache_write_tokens": u.prompt_tokens - u.cached_tokens if self._keeps_kv else 0,
+            },
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {
                 "reasoning_tokens": min(self.reasoning_tokens, u.completion_tokens)

@@ -7,7 +7,9 @@ from typing import Any
 
 import httpx
 import openai
+import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from tests.integration.conftest import Server
 
@@ -183,6 +185,22 @@ def test_function_call_history_is_accepted(server: Server) -> None:
 
 def post(server: Server, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(server.url + "/v1/responses", json={"model": "demo", **body}, timeout=30)
+
+
+def test_wire_shapes_validate_strictly_against_the_sdk_types(server: Server) -> None:
+    """The SDK's client parses leniently; Codex does not. Validate the raw JSON strictly."""
+    body = {"input": [user("hello")], "max_output_tokens": 5, "prompt_cache_key": "strict-1"}
+    r = post(server, body)
+    assert r.status_code == 200
+    assert Response.model_validate(r.json()).usage is not None
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    with httpx.stream(
+        "POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=30
+    ) as s:
+        lines = [line for line in s.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    events = [adapter.validate_json(line[6:]) for line in lines if line.startswith("data: ")]
+    assert names == [e.type for e in events] and events[-1].type == "response.incomplete"
 
 
 @pytest.mark.parametrize(
