@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,8 +29,11 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.errors import ApiError
+from ds4pool.api.prompt import count_prompt_tokens, render_prompt
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from ds4pool.sched.request import Event, Request
+
+log = logging.getLogger("ds4pool.api")
 
 
 def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
@@ -53,8 +57,11 @@ def to_chat(
     if system:
         out.append({"role": "system", "content": _text_of(system, "system")})
     for i, m in enumerate(messages):
+        if m.role == "system":  # Claude Code's mid-conversation reminders (see api/prompt.py)
+            out.append({"role": "system", "content": _text_of(m.content, f"messages[{i}].content")})
+            continue
         if m.role not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be 'user' or 'assistant'")
+            raise ApiError(400, f"messages[{i}].role must be 'user', 'assistant' or 'system'")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -102,41 +109,45 @@ def to_chat(
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tool definitions → the OpenAI-style shape chat templates expect."""
+    """Anthropic tool definitions → the OpenAI-style shape chat templates expect. Server
+    tools (web_search_20250305, code_execution_..., ...) run on Anthropic's side, not here:
+    they are dropped with a log line rather than shown to the model as functions."""
     if not tools:
         return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema", {}),
-            },
+    out, dropped = [], []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ApiError(400, f"tools[{i}]: a tool needs a name")
+        if t.get("type") not in (None, "custom"):
+            dropped.append(str(t.get("type")))
+            continue
+        function = {
+            "name": t["name"],
+            "description": t.get("description", ""),
+            "parameters": t.get("input_schema", {}),
         }
-        for t in tools
-    ]
+        out.append({"type": "function", "function": function})
+    if dropped:
+        log.info("messages: dropped server tools ds4pool cannot run: %s", ", ".join(dropped))
+    return out or None
 
 
-def _render(
+async def _render(
     state: ApiState,
     system: Any,
     messages: list[AnthropicMessage],
     tools: list[dict[str, Any]] | None,
 ) -> str:
     engine = state.ready_engine()
-    return engine.tokenizer.apply_chat_template(
-        to_chat(system, messages), add_generation_prompt=True, tools=_tools(tools)
-    )
+    return await render_prompt(engine.tokenizer, to_chat(system, messages), _tools(tools))
 
 
 @post("/v1/messages/count_tokens", status_code=200)
 async def count_tokens(request: HttpRequest, data: CountTokensRequest) -> dict[str, int]:
     state = api_state(request)
     authenticate(request, state)
-    text = _render(state, data.system, data.messages, data.tools)
-    ids = state.ready_engine().tokenizer.encode(text, add_special_tokens=False)
-    return {"input_tokens": len(ids)}
+    text = await _render(state, data.system, data.messages, data.tools)
+    return {"input_tokens": await count_prompt_tokens(state.ready_engine().tokenizer, text)}
 
 
 def _stop_reason(final: Event) -> tuple[str, str | None]:
@@ -172,7 +183,7 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     req = Request(
         tenant=tenant.name,
         session_id=session_id_of(request),
-        prompt_text=_render(state, data.system, data.messages, data.tools),
+        prompt_text=await _render(state, data.system, data.messages, data.tools),
         sampling=sampling_from(temperature=data.temperature, top_p=data.top_p, top_k=data.top_k),
         max_tokens=check_max_tokens(data.max_tokens, engine, "max_tokens"),
         stop=stops,
@@ -205,7 +216,8 @@ async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[b
 
     final: Event | None = None
     assert gen.first is not None
-    first_usage = {"input_tokens": 0, "output_tokens": 0}
+    # the engine reports the prompt's counts with the first token (Claude Code reads them here)
+    first_usage = _usage(gen.first) if gen.first.usage else {"input_tokens": 0, "output_tokens": 0}
     try:
         yield event(
             "message_start",

@@ -30,6 +30,7 @@ from ds4pool.api.common import (
 )
 from ds4pool.api.config import TenantConfig
 from ds4pool.api.errors import ApiError
+from ds4pool.api.prompt import render_prompt
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ds4pool.sched.request import Event, Request
 
@@ -187,9 +188,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         raise ApiError(
             400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs"
         )
-    prompt_text = engine.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tools=data.tools, **extra
-    )
+    prompt_text = await render_prompt(engine.tokenizer, messages, data.tools, extra)
     req = _sampling_request(
         data,
         request,

@@ -70,7 +70,7 @@ async def render_prompt(
     return await anyio.to_thread.run_sync(partial(render_chat, tokenizer, messages, tools, extra))
 
 
-async def count_tokens(tokenizer: Tokenizer, text: str) -> int:
+async def count_prompt_tokens(tokenizer: Tokenizer, text: str) -> int:
     """The number of tokens of rendered prompt text, counted in a worker thread."""
     ids = await anyio.to_thread.run_sync(partial(tokenizer.encode, text, add_special_tokens=False))
     return len(ids)
