@@ -29,7 +29,7 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.errors import ApiError
-from ds4pool.api.prompt import count_prompt_tokens, render_prompt
+from ds4pool.api.prompt import count_prompt_tokens, off_loop, render_chat
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from ds4pool.sched.request import Event, Request
 
@@ -138,8 +138,12 @@ async def _render(
     messages: list[AnthropicMessage],
     tools: list[dict[str, Any]] | None,
 ) -> str:
-    engine = state.ready_engine()
-    return await render_prompt(engine.tokenizer, to_chat(system, messages), _tools(tools))
+    tokenizer = state.ready_engine().tokenizer
+
+    def render() -> str:
+        return render_chat(tokenizer, to_chat(system, messages), _tools(tools))
+
+    return await off_loop(render)
 
 
 @post("/v1/messages/count_tokens", status_code=200)

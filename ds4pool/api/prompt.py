@@ -9,13 +9,16 @@ is reused); otherwise it is merged into the leading system prompt.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from ds4pool.errors import ChatTemplateError
 from ds4pool.model.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 def render_chat(
@@ -59,18 +62,23 @@ def _as_system(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+async def off_loop(fn: Callable[[], T]) -> T:
+    """`fn()` in a worker thread. Converting a request's messages and rendering them grow with
+    the conversation: a 30k-token prompt must not stall every other stream on the event loop.
+    What `fn` raises (an ApiError naming a field) is raised here."""
+    return await anyio.to_thread.run_sync(fn)
+
+
 async def render_prompt(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """render_chat in a worker thread: rendering grows with the conversation, and a 30k-token
-    prompt must not stall every other stream on the event loop."""
-    return await anyio.to_thread.run_sync(partial(render_chat, tokenizer, messages, tools, extra))
+    """render_chat in a worker thread."""
+    return await off_loop(partial(render_chat, tokenizer, messages, tools, extra))
 
 
 async def count_prompt_tokens(tokenizer: Tokenizer, text: str) -> int:
     """The number of tokens of rendered prompt text, counted in a worker thread."""
-    ids = await anyio.to_thread.run_sync(partial(tokenizer.encode, text, add_special_tokens=False))
-    return len(ids)
+    return len(await off_loop(partial(tokenizer.encode, text, add_special_tokens=False)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from litestar import Request as HttpRequest
@@ -33,11 +34,12 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.errors import ApiError
-from ds4pool.api.prompt import render_prompt
+from ds4pool.api.prompt import off_loop, render_chat
 from ds4pool.api.responses_input import bad, to_messages, to_tools
 from ds4pool.api.responses_output import Json, ResponseRenderer, new_id
 from ds4pool.api.schemas import ResponsesRequest
 from ds4pool.kv.session import InvalidSessionIdError, validate_session_id
+from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.processor import OutputProcessor, build_processor
 from ds4pool.sched.request import Event, Request
 
@@ -50,10 +52,7 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
     tenant = authenticate(request, state)
     _refuse_unsupported(data)
     engine = state.ready_engine()
-    messages = to_messages(data.instructions, data.input)
-    tools = to_tools(data.tools)
-    offered = None if data.tool_choice == "none" else tools  # "none": the model sees no tools
-    prompt_text = await render_prompt(engine.tokenizer, messages, offered)
+    tools, offered, prompt_text = await off_loop(partial(_prompt, engine.tokenizer, data))
     req = Request(
         tenant=tenant.name,
         session_id=_session_id(request, data),
@@ -85,6 +84,17 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
     finish(state, gen, final)
     renderer.complete(final.usage)
     return Response(renderer.response, headers=headers)
+
+
+def _prompt(
+    tokenizer: Tokenizer, data: ResponsesRequest
+) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None, str]:
+    """(the function tools, those offered to the model, the prompt text); in a worker thread.
+    tool_choice "none" offers none: the model is not told about tools it may not call."""
+    messages = to_messages(data.instructions, data.input)
+    tools = to_tools(data.tools)
+    offered = None if data.tool_choice == "none" else tools
+    return tools, offered, render_chat(tokenizer, messages, offered)
 
 
 def _refuse_unsupported(data: ResponsesRequest) -> None:
