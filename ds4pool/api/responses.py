@@ -52,10 +52,11 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
     tenant = authenticate(request, state)
     _refuse_unsupported(data)
     engine = state.ready_engine()
+    session_id = _session_id(request, data)
     tools, offered, prompt_text = await off_loop(partial(_prompt, engine.tokenizer, data))
     req = Request(
         tenant=tenant.name,
-        session_id=_session_id(request, data),
+        session_id=session_id,
         prompt_text=prompt_text,
         sampling=sampling_from(temperature=data.temperature, top_p=data.top_p, top_k=None),
         max_tokens=check_max_tokens(data.max_output_tokens, engine, "max_output_tokens"),
