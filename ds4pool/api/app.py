@@ -122,6 +122,7 @@ def create_app(
             openai.chat_completions,
             openai.completions,
             responses.create_response,
+            responses.stored_response,
             anthropic.messages,
             anthropic.count_tokens,
             own_sessions,

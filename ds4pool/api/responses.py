@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+from litestar import HttpMethod, Response, post, route
 from litestar import Request as HttpRequest
-from litestar import Response, post
 from litestar.response import Stream
 
 from ds4pool.api.common import (
@@ -85,6 +85,19 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
     finish(state, gen, final)
     renderer.complete(final.usage)
     return Response(renderer.response, headers=headers)
+
+
+@route("/v1/responses/{response_id:str}", http_method=[HttpMethod.GET, HttpMethod.DELETE])
+async def stored_response(request: HttpRequest, response_id: str) -> None:
+    """Retrieval and deletion of stored responses: there are none (`store` is accepted, but
+    ds4pool keeps the conversation as session KV, not as response objects)."""
+    authenticate(request, api_state(request))
+    raise ApiError(
+        404,
+        f"response {response_id!r} not found: ds4pool stores no responses",
+        param="response_id",
+        code="response_not_found",
+    )
 
 
 def _prompt(

@@ -250,3 +250,10 @@ def test_sdk_raises_bad_request_for_previous_response_id(server: Server) -> None
     with pytest.raises(openai.BadRequestError) as info:
         client(server).responses.create(model="demo", input="hi", previous_response_id="resp_x")
     assert "previous_response_id" in str(info.value)
+
+
+def test_stored_responses_are_not_retrievable(server: Server) -> None:
+    r = client(server).responses.create(model="demo", input="hi", max_output_tokens=2, store=True)
+    with pytest.raises(openai.NotFoundError) as info:
+        client(server).responses.retrieve(r.id)
+    assert "stores no responses" in str(info.value)
