@@ -107,7 +107,7 @@ def _arguments(text: str) -> dict[str, Any] | str:
     with tojson; text that is not a JSON object is passed as the model wrote it."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return text
     return value if isinstance(value, dict) else text
 
