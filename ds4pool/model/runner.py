@@ -26,6 +26,7 @@ from ds4pool.model.cuda_graphs import DecodeGraphs, default_buckets
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
+from ds4pool.model.ops import TorchOps, TritonOps
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
 
@@ -98,7 +99,7 @@ class ModelRunner:
         self.backend = select_backend(backend, self.device)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
-            set_backend(self.backend)
+            set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.batch = InputBatch(
@@ -110,7 +111,11 @@ class ModelRunner:
             cfg.sliding_window,
         )
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
+        # A model may opt out (the scripted test model reads its cache on the host).
+        graphable = self.backend.supports_cuda_graphs and getattr(
+            self.model, "supports_cuda_graphs", True
+        )
+        if cuda_graphs and self.device.type == "cuda" and graphable:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
