@@ -190,3 +190,36 @@ def test_get_one_model(server: Server) -> None:
     missing = httpx.get(server.url + "/v1/models/claude-opus-4")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def _tool_result_turn(content: object) -> list[dict]:
+    return [
+        {"role": "user", "content": "read it"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content}],
+        },
+    ]
+
+
+def test_tool_result_content_lists_of_strings_and_of_other_values(server: Server) -> None:
+    c = client(server)
+    count, create = c.messages.count_tokens, c.messages.create
+    # bare strings in the list are text (they used to be a 500)
+    as_list = count(model="demo", messages=_tool_result_turn(["abc"]))  # type: ignore[arg-type]
+    as_text = count(model="demo", messages=_tool_result_turn("abc"))  # type: ignore[arg-type]
+    assert as_list.input_tokens == as_text.input_tokens
+    msg = create(model="demo", max_tokens=2, messages=_tool_result_turn(["abc"]))  # type: ignore[arg-type]
+    assert msg.usage.output_tokens >= 1
+    for bad in ([1], [None], [["x"]]):
+        turn = _tool_result_turn(bad)
+        for kw in ({}, {"max_tokens": 2}):
+            route = create if kw else count
+            with pytest.raises(anthropic.BadRequestError) as exc:
+                route(model="demo", messages=turn, **kw)  # type: ignore[arg-type,operator]
+            message = exc.value.body["error"]["message"]  # type: ignore[index]
+            assert "messages[2].content[0].content[0]" in message
