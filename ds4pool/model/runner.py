@@ -14,6 +14,7 @@ import torch
 
 from ds4pool.errors import ContextLengthError
 from ds4pool.model.attention import build_metadata
+from ds4pool.model.grammar import apply_token_bitmask_
 from ds4pool.model.loader import LoadedModel
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
@@ -33,6 +34,8 @@ class SeqInput:
     sampling: SamplingParams = GREEDY
     seed: int = 0
     output_token_ids: Sequence[int] = ()  # generated so far: penalties and RNG step
+    # host int32 [ceil(V / 32)], bit v set = token v allowed (grammar-constrained rows only)
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
@@ -113,6 +116,9 @@ class ModelRunner:
             ends.append(total - 1)
         last = torch.tensor([ends[i] for i in rows], dtype=torch.int64).to(self.device)
         logits = self.model.compute_logits(hidden[last]).float()  # [R, V]
+        masked = [(j, m) for j, i in enumerate(rows) if (m := seqs[i].token_bitmask) is not None]
+        if masked:
+            apply_token_bitmask_(logits, [j for j, _ in masked], [m for _, m in masked])
         sampled_t = self.sampler.sample(
             logits,
             [seqs[i].sampling for i in rows],

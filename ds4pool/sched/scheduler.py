@@ -256,7 +256,7 @@ class Scheduler:
         if m.num_reused < len(s.token_ids) or not m.via_text:
             seq.rollback_text = ""
         seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
-        seq.start_decoding(self.tokenizer)
+        seq.start_decoding(self.tokenizer, vocab)
 
     def _dequeue(self, seq: Seq) -> None:
         with self.lock:
@@ -265,6 +265,7 @@ class Scheduler:
     def _add(self, step: Step, seq: Seq, n: int) -> None:
         assert seq.session is not None and seq.session.block_table is not None
         start = seq.num_computed
+        sample = start + n == seq.num_tokens
         step.seqs.append(seq)
         step.counts.append(n)
         step.inputs.append(
@@ -272,10 +273,11 @@ class Scheduler:
                 token_ids=seq.all_ids[start : start + n],
                 num_computed=start,
                 block_table=list(seq.session.block_table.blocks),
-                sample=start + n == seq.num_tokens,
+                sample=sample,
                 sampling=seq.req.sampling,
                 seed=seq.seed,
                 output_token_ids=list(seq.output_ids),
+                token_bitmask=seq.grammar.fill() if sample and seq.grammar else None,
             )
         )
         with self.lock:

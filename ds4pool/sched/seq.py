@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from ds4pool.kv.session import Session
+from ds4pool.model.grammar import GrammarState
 from ds4pool.model.tokenizer import IncrementalDecoder, Tokenizer
 from ds4pool.sched.request import Event, Request, RequestStream, State, Usage
 
@@ -39,6 +40,7 @@ class Seq:
     first_token_at: float | None = None
     last_token_at: float | None = None
     blocked_since: float | None = None  # waiting on a session busy with another request
+    grammar: GrammarState | None = None  # set at admission when req.constraint is set
 
     def __post_init__(self) -> None:
         seed = self.req.sampling.seed
@@ -69,15 +71,22 @@ class Seq:
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
 
-    def start_decoding(self, tokenizer: Tokenizer) -> None:
+    def start_decoding(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
+        if self.req.constraint is not None:
+            self.grammar = GrammarState(self.req.constraint, vocab_size)
 
     def append(self, token: int, eos_ids: frozenset[int]) -> str | None:
         """Record a sampled token; return a finish reason if the request is done."""
         now = time.monotonic()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
-        if token in eos_ids and not self.req.ignore_eos:
+        if self.grammar is not None:
+            accepted = self.grammar.accept(token)
+            assert accepted, f"token {token} sampled against the grammar's mask"
+            if self.grammar.terminated:  # a stop token where the grammar may end
+                return "stop"
+        elif token in eos_ids and not self.req.ignore_eos:
             return "stop"
         self.output_ids.append(token)
         assert self.decoder is not None

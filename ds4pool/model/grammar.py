@@ -1,0 +1,174 @@
+"""Grammar-constrained decoding with xgrammar: compile once, match per sequence, mask per step.
+
+A `GrammarSpec` (what to obey, as text) is compiled by `GrammarCache` into a `Constraint`
+(the compiled grammar, immutable and shareable between requests). Each constrained sequence
+owns a `GrammarState` (an xgrammar matcher): before a step that samples it, `fill()` writes
+the next token's bitmask; after the step, `accept()` advances it by the sampled token.
+
+Bitmask layout (xgrammar's): int32 words [W], W = ceil(V / 32); bit b of word w set means
+token 32 * w + b is allowed. V is the model's vocabulary (the logits' width), which may be
+larger than the tokenizer's: ids the tokenizer lacks are never allowed.
+
+xgrammar is imported lazily (it takes seconds, and unconstrained use never needs it); it is
+thread-safe for compilation, and a matcher is only ever touched by the step thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from cachetools import LRUCache
+
+from ds4pool.errors import Ds4poolError
+
+if TYPE_CHECKING:
+    from ds4pool.model.tokenizer import Tokenizer
+
+KINDS = ("json_schema", "json_object", "structural_tag")
+
+
+class GrammarError(Ds4poolError):
+    """A schema or grammar the client sent cannot be compiled; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match, as text (hashable: the compile cache's key).
+
+    kind "json_schema": `source` is a JSON Schema document; "json_object": any JSON object
+    (`source` is ""); "structural_tag": `source` is an xgrammar structural tag (JSON).
+    `param` is the request field it came from, named in compile errors.
+    """
+
+    kind: str
+    source: str = ""
+    param: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, self.kind
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A compiled grammar attached to a Request (`compiled`: an xgrammar CompiledGrammar)."""
+
+    spec: GrammarSpec
+    compiled: Any = field(compare=False, repr=False)
+
+
+class GrammarCache:
+    """Compiles specs for one tokenizer and model vocabulary; a bounded LRU by spec.
+
+    Thread-safe: the API compiles in worker threads, never on the event loop.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_entries: int = 256) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        info = _tokenizer_info(xgr, tokenizer, vocab_size)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: LRUCache[GrammarSpec, Constraint] = LRUCache(maxsize=max_entries)
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> Constraint:
+        """The compiled constraint for `spec`; GrammarError if xgrammar rejects it."""
+        with self._lock:
+            hit = self._cache.get(spec)
+        if hit is not None:
+            return hit
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's rejections
+            raise GrammarError(f"{spec.param}: {_first_line(exc)}", spec.param) from None
+        constraint = Constraint(spec, compiled)
+        with self._lock:
+            self._cache[spec] = constraint
+        return constraint
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        c = self._compiler
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "json_schema":
+            # any_whitespace=False: fixed separators, so random or confused weights cannot
+            # spend max_tokens on indentation; strict_mode: no unlisted properties.
+            return c.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+        return c.compile_structural_tag(spec.source)
+
+
+def _tokenizer_info(xgr: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """xgrammar's view of the vocabulary, from the `tokenizers` backend (no transformers)."""
+    backend = tokenizer.backend
+    encoded = [""] * vocab_size  # "" for padding ids past the tokenizer: never allowed
+    for token, idx in backend.get_vocab(with_added_tokens=True).items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    # vocab type (byte-level, byte-fallback, raw) and prefix space, read from tokenizer.json
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type=meta["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=[i for i in tokenizer.eos_token_ids if i < vocab_size],
+        add_prefix_space=meta["add_prefix_space"],
+    )
+
+
+class GrammarState:
+    """One sequence's position in its grammar. Used by the step thread only."""
+
+    def __init__(self, constraint: Constraint, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(constraint.compiled)
+        # [1, W] host buffer, refilled before every step that samples this sequence; the
+        # runner copies it out during that step, before the next fill.
+        self.bitmask = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
+
+    def fill(self) -> torch.Tensor:
+        """The next token's bitmask [W] (a view of the reused buffer)."""
+        self._matcher.fill_next_token_bitmask(self.bitmask)
+        return self.bitmask[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False if the grammar forbids it (a masking bug)."""
+        return bool(self._matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        return bool(self._matcher.is_terminated())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
+    """Set logits[rows[k], v] = -inf wherever masks[k] (host int32 [W]) clears token v's bit.
+
+    logits [R, V] on the device. One host → device upload (pinned on CUDA), no readback;
+    rows outside `rows` are untouched, so unconstrained rows sample as they would alone.
+    """
+    num_vocab = logits.shape[1]
+    host = torch.stack(masks)  # [M, W]
+    assert host.shape[1] * 32 >= num_vocab, (host.shape, num_vocab)
+    device = logits.device
+    if device.type == "cuda":
+        host = host.pin_memory()
+    words = host.to(device, non_blocking=True)
+    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    # [M, W, 32] bits → [M, W * 32] → the first V columns; the sign bit reads as 1 too
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, masked)
