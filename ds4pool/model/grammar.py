@@ -15,6 +15,7 @@ thread-safe for compilation, and a matcher is only ever touched by the step thre
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -148,9 +149,13 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
 
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    return _CPP_PREFIX.sub("", text.splitlines()[0])[:300]
 
 
 def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:

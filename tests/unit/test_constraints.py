@@ -1,0 +1,129 @@
+"""Constraint specs compiled by xgrammar against real vocabularies: what they let through."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4pool.model.grammar import GrammarCache, GrammarError, GrammarSpec
+from ds4pool.model.tokenizer import Tokenizer
+from ds4pool.output.constraints import (
+    ConstraintError,
+    detect_tool_format,
+    json_schema_spec,
+    no_tool_call_spec,
+    parse_tools,
+    tool_call_spec,
+)
+from tests.real_tokenizers import real_tokenizer_dir
+
+xgr = pytest.importorskip("xgrammar")
+
+TOOLS = parse_tools(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        },
+        {"type": "function", "function": {"name": "now"}},
+    ]
+)
+DS = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+EXPECTED = {  # one call of get_weather, as each model's template writes it
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "deepseek_v3": DS
+    + 'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+}
+TOKENIZER = {"hermes": "qwen3", "llama3_json": "llama3_1", "mistral": "qwen3"}
+TOKENIZER["deepseek_v3"] = "deepseek_v3"
+
+_cache: dict[str, tuple[Tokenizer, GrammarCache]] = {}
+
+
+def grammars(name: str) -> tuple[Tokenizer, GrammarCache]:
+    if name not in _cache:
+        tok = Tokenizer.from_dir(real_tokenizer_dir(name))
+        _cache[name] = (tok, GrammarCache(tok, tok.vocab_size + 64))  # padded model vocab
+    return _cache[name]
+
+
+def matches(cache: GrammarCache, tok: Tokenizer, spec: GrammarSpec, text: str) -> bool:
+    """Does the grammar accept exactly `text` (as the tokenizer encodes it) and then eos?"""
+    m = xgr.GrammarMatcher(cache.compile(spec).compiled)
+    ids = tok.encode(text, add_special_tokens=False)
+    return all(m.accept_token(i) for i in ids) and m.accept_token(tok.eos_token_ids[0])
+
+
+def test_detects_the_format_of_real_templates() -> None:
+    assert detect_tool_format(grammars("qwen3")[0]._chat_templates["default"]) == "hermes"
+    ds = grammars("deepseek_v3")[0]._chat_templates["default"]
+    assert detect_tool_format(ds) == "deepseek_v3"
+    assert detect_tool_format("{{ messages }}") is None
+    assert detect_tool_format(None) is None
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPECTED))
+def test_forced_tool_call_matches_the_model_format(fmt: str) -> None:
+    tok, cache = grammars(TOKENIZER[fmt])
+    is_token = lambda s: tok.token_to_id(s) is not None  # noqa: E731
+    spec = tool_call_spec(fmt, TOOLS, is_token)
+    assert matches(cache, tok, spec, EXPECTED[fmt])
+    wrong_name = EXPECTED[fmt].replace("get_weather", "get_weathr")
+    assert not matches(cache, tok, spec, wrong_name)
+    missing_arg = EXPECTED[fmt].replace('"city": "Paris"', "")
+    assert not matches(cache, tok, spec, missing_arg)
+    only_now = tool_call_spec(fmt, TOOLS, is_token, name="now")
+    assert not matches(cache, tok, only_now, EXPECTED[fmt])
+
+
+def test_parallel_calls_and_parallel_false() -> None:
+    tok, cache = grammars("qwen3")
+    is_token = lambda s: tok.token_to_id(s) is not None  # noqa: E731
+    two = EXPECTED["hermes"] + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert matches(cache, tok, tool_call_spec("hermes", TOOLS, is_token), two)
+    single = tool_call_spec("hermes", TOOLS, is_token, parallel=False)
+    assert matches(cache, tok, single, EXPECTED["hermes"])
+    assert not matches(cache, tok, single, two)
+    assert not matches(cache, tok, single, "Sure! " + EXPECTED["hermes"])
+
+
+def test_tool_choice_none_forbids_opening_a_call() -> None:
+    tok, cache = grammars("qwen3")
+    spec = no_tool_call_spec("hermes")
+    assert spec is not None
+    assert matches(cache, tok, spec, "The weather in Paris is fine.")
+    assert not matches(cache, tok, spec, EXPECTED["hermes"])
+
+
+def test_json_schema_whitespace_is_fixed() -> None:
+    tok, cache = grammars("qwen3")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = json_schema_spec(schema, "response_format.json_schema.schema")
+    assert matches(cache, tok, spec, '{"a": 1}')
+    assert not matches(cache, tok, spec, '{\n  "a": 1\n}')
+    assert not matches(cache, tok, spec, '{"a": 1, "b": 2}')  # strict: no unlisted keys
+
+
+def test_bad_input_names_the_field() -> None:
+    tok, cache = grammars("qwen3")
+    with pytest.raises(GrammarError) as exc:
+        cache.compile(GrammarSpec("json_schema", '{"type": "no-such-type"}', "response_format"))
+    assert exc.value.param == "response_format"
+    assert "/project" not in str(exc.value)
+    with pytest.raises(ConstraintError) as cexc:
+        parse_tools([{"type": "function", "function": {"name": "a b"}}])
+    assert cexc.value.param == "tools[0].function.name"
+    with pytest.raises(ConstraintError, match="no tool named 'x'"):
+        tool_call_spec("hermes", TOOLS, lambda s: False, name="x")
+    with pytest.raises(ConstraintError, match="requires tools"):
+        tool_call_spec("hermes", [], lambda s: False)
+    with pytest.raises(ConstraintError, match="no tool-call format"):
+        tool_call_spec(None, TOOLS, lambda s: False)
