@@ -27,6 +27,7 @@ from ds4pool.api.common import (
     sse,
     start,
 )
+from ds4pool.api.constraints import messages_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from ds4pool.sched.request import Event, Request
@@ -178,6 +179,7 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
         stop=stops,
         priority=priority_of(request, data.priority, tenant),
         endpoint="messages",
+        constraint=await messages_constraint(engine, data),
     )
     gen = await start(request, state, req, tenant)
     mid = f"msg_{uuid.uuid4().hex}"

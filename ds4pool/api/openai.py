@@ -29,6 +29,7 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.config import TenantConfig
+from ds4pool.api.constraints import chat_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ds4pool.sched.request import Event, Request
@@ -187,6 +188,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         data.max_completion_tokens or data.max_tokens,
         prompt_text=prompt_text,
     )
+    req.constraint = await chat_constraint(engine, data)
     gen = await start(request, state, req, tenant)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if data.stream:

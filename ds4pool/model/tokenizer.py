@@ -147,6 +147,12 @@ class Tokenizer:
             # template's or the messages' fault (bad role order, wrong types), never ds4pool's.
             raise ChatTemplateError(f"chat template failed: {_describe(e)}") from e
 
+    def chat_template(self, with_tools: bool = False) -> str | None:
+        """The source of the template `apply_chat_template` would use; None if there is none."""
+        if with_tools and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        return self._chat_templates.get("default")
+
     def _template_name(self, tools: list[dict] | None) -> str:
         if tools is not None and "tool_use" in self._chat_templates:
             return "tool_use"

@@ -169,6 +169,26 @@ def no_tool_call_spec(fmt: str | None, param: str = "tool_choice") -> GrammarSpe
     return _tag({"type": "any_text", "excludes": [OPENERS[fmt]]}, param)
 
 
+def at_most_one_call_spec(
+    fmt: str | None, tools: list[FunctionTool], param: str = "parallel_tool_calls"
+) -> GrammarSpec:
+    """tool_choice "auto" without parallel calls: free text, then at most one call (its
+    arguments per schema), then the end of the turn."""
+    if fmt not in ("hermes", "llama3_json"):  # the others open calls with special tokens
+        raise ConstraintError(
+            f"{param}: false is supported only with a forced tool_choice for this model", param
+        )
+    heads = {"hermes": ('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>")}
+    heads["llama3_json"] = ('{{"name": {}, "parameters": ', "}")
+    head, end = heads[fmt]
+    tags = [
+        {"type": "tag", "begin": head.format(json.dumps(t.name)), "content": _args(t), "end": end}
+        for t in tools
+    ]
+    fmt_tags = {"type": "triggered_tags", "triggers": [OPENERS[fmt]], "tags": tags}
+    return _tag({**fmt_tags, "stop_after_first": True}, param)
+
+
 # ------------------------------------------------------------------ structural-tag pieces
 
 Format = dict[str, Any]

@@ -63,8 +63,8 @@ def matches(cache: GrammarCache, tok: Tokenizer, spec: GrammarSpec, text: str) -
 
 
 def test_detects_the_format_of_real_templates() -> None:
-    assert detect_tool_format(grammars("qwen3")[0]._chat_templates["default"]) == "hermes"
-    ds = grammars("deepseek_v3")[0]._chat_templates["default"]
+    assert detect_tool_format(grammars("qwen3")[0].chat_template()) == "hermes"
+    ds = grammars("deepseek_v3")[0].chat_template()
     assert detect_tool_format(ds) == "deepseek_v3"
     assert detect_tool_format("{{ messages }}") is None
     assert detect_tool_format(None) is None
@@ -127,3 +127,17 @@ def test_bad_input_names_the_field() -> None:
         tool_call_spec("hermes", [], lambda s: False)
     with pytest.raises(ConstraintError, match="no tool-call format"):
         tool_call_spec(None, TOOLS, lambda s: False)
+
+
+def test_auto_without_parallel_calls_allows_text_then_one_call() -> None:
+    from ds4pool.output.constraints import at_most_one_call_spec
+
+    tok, cache = grammars("qwen3")
+    spec = at_most_one_call_spec("hermes", TOOLS)
+    assert matches(cache, tok, spec, "Let me check. " + EXPECTED["hermes"])
+    assert matches(cache, tok, spec, "No tool needed.")
+    two = EXPECTED["hermes"] + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert not matches(cache, tok, spec, two)
+    with pytest.raises(ConstraintError) as exc:
+        at_most_one_call_spec("deepseek_v3", TOOLS)
+    assert exc.value.param == "parallel_tool_calls"

@@ -1,0 +1,160 @@
+"""tool_choice, parallel_tool_calls and response_format → a compiled Constraint for a Request.
+
+Each API's own fields are read here; the specs come from ds4pool.output.constraints and are
+compiled in a worker thread (xgrammar's compile is CPU-bound and the first one imports it),
+never on the event loop. Whatever ds4pool cannot honour is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ds4pool.api.errors import ApiError
+from ds4pool.api.schemas import ChatCompletionRequest, MessagesRequest
+from ds4pool.engine import Engine
+from ds4pool.model.grammar import Constraint, GrammarError, GrammarSpec
+from ds4pool.output.constraints import (
+    ConstraintError,
+    FunctionTool,
+    at_most_one_call_spec,
+    detect_tool_format,
+    json_object_spec,
+    json_schema_spec,
+    no_tool_call_spec,
+    parse_tools,
+    tool_call_spec,
+)
+
+
+async def compile_spec(engine: Engine, spec: GrammarSpec | None) -> Constraint | None:
+    """Compile off the event loop; a schema xgrammar rejects is a 400 naming its field."""
+    if spec is None:
+        return None
+    try:
+        return await asyncio.to_thread(engine.compile_constraint, spec)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
+def tool_spec(
+    engine: Engine,
+    choice: str,
+    tools: list[FunctionTool],
+    *,
+    name: str | None = None,
+    parallel: bool = True,
+    param: str = "tool_choice",
+) -> GrammarSpec | None:
+    """The spec for a normalised tool choice: "auto", "none", "required" or "function"
+    (with `name`). Shared by chat completions, Responses and Anthropic messages."""
+    tokenizer = engine.tokenizer
+    fmt = detect_tool_format(tokenizer.chat_template(bool(tools)))
+    if choice == "none":
+        return no_tool_call_spec(fmt, param) if tools else None
+    if choice == "auto":
+        return None if parallel or not tools else at_most_one_call_spec(fmt, tools)
+
+    def is_token(text: str) -> bool:
+        return tokenizer.token_to_id(text) is not None
+
+    return tool_call_spec(
+        fmt,
+        tools,
+        is_token,
+        name=name if choice == "function" else None,
+        parallel=parallel,
+        param=param,
+    )
+
+
+def response_format_spec(value: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI chat's response_format: text, json_object or json_schema."""
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_spec("response_format")
+    if kind == "json_schema":
+        js = value.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise ConstraintError(
+                "response_format.json_schema must be an object with a name and a schema",
+                "response_format.json_schema",
+            )
+        return json_schema_spec(js.get("schema", {}), "response_format.json_schema.schema")
+    raise ConstraintError(
+        "response_format.type must be one of text, json_object, json_schema",
+        "response_format.type",
+    )
+
+
+def _chat_choice(value: str | dict[str, Any] | None) -> tuple[str, str | None]:
+    if value is None or value in ("auto", "none", "required"):
+        return value or "auto", None
+    fn = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(fn, dict):
+        if isinstance(fn.get("name"), str):
+            return "function", fn["name"]
+    raise ConstraintError(
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+async def chat_constraint(engine: Engine, data: ChatCompletionRequest) -> Constraint | None:
+    """The constraint a chat completion asks for: a forced tool call wins over
+    response_format (a turn that calls a tool has no content to format)."""
+    try:
+        choice, name = _chat_choice(data.tool_choice)
+        tools = (
+            parse_tools(data.tools) if choice != "auto" or data.parallel_tool_calls is False else []
+        )
+        parallel = data.parallel_tool_calls is not False
+        spec = tool_spec(engine, choice, tools, name=name, parallel=parallel)
+        if choice in ("auto", "none") and (fmt_spec := response_format_spec(data.response_format)):
+            spec = fmt_spec
+    except ConstraintError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return await compile_spec(engine, spec)
+
+
+def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    out = []
+    for i, t in enumerate(tools or []):
+        name, schema = (t.get("name"), t.get("input_schema")) if isinstance(t, dict) else (0, 0)
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"tools[{i}].input_schema must be a JSON Schema object", "tools")
+        fn = {"type": "function", "function": {"name": name, "parameters": schema}}
+        try:
+            out.extend(parse_tools([fn]))
+        except ConstraintError:
+            raise ConstraintError(
+                f"tools[{i}].name must be 1-128 letters, digits, _ . : or -", "tools"
+            ) from None
+    return out
+
+
+async def messages_constraint(engine: Engine, data: MessagesRequest) -> Constraint | None:
+    """Anthropic's tool_choice: auto | any | tool (with name) | none, and
+    disable_parallel_tool_use."""
+    value = data.tool_choice
+    if value is None:
+        return None
+    try:
+        kind = value.get("type")
+        names = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+        if kind not in names:
+            raise ConstraintError("tool_choice.type must be auto, any, tool or none", "tool_choice")
+        name = value.get("name")
+        if kind == "tool" and not isinstance(name, str):
+            raise ConstraintError("tool_choice.name is required for type tool", "tool_choice.name")
+        parallel = not value.get("disable_parallel_tool_use", False)
+        tools = _anthropic_tools(data.tools)
+        spec = tool_spec(engine, names[kind], tools, name=name, parallel=parallel)
+    except ConstraintError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return await compile_spec(engine, spec)
