@@ -8,6 +8,7 @@ never on the event loop. Whatever ds4pool cannot honour is a 400 naming the fiel
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from ds4pool.api.errors import ApiError
@@ -18,6 +19,7 @@ from ds4pool.output.constraints import (
     ConstraintError,
     FunctionTool,
     at_most_one_call_spec,
+    check_schema_size,
     detect_tool_format,
     json_object_spec,
     json_schema_spec,
@@ -27,13 +29,17 @@ from ds4pool.output.constraints import (
 )
 
 
-async def compile_spec(engine: Engine, spec: GrammarSpec | None) -> Constraint | None:
-    """Compile off the event loop; a schema xgrammar rejects is a 400 naming its field."""
-    if spec is None:
-        return None
+async def constrain(engine: Engine, build: Callable[[], GrammarSpec | None]) -> Constraint | None:
+    """Build the spec and compile it in a worker thread (both grow with the request's
+    schemas); a field ds4pool cannot honour is a 400 naming it."""
+
+    def run() -> Constraint | None:
+        spec = build()
+        return None if spec is None else engine.compile_constraint(spec)
+
     try:
-        return await asyncio.to_thread(engine.compile_constraint, spec)
-    except GrammarError as exc:
+        return await asyncio.to_thread(run)
+    except (ConstraintError, GrammarError) as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
 
 
@@ -105,24 +111,31 @@ def _chat_choice(value: str | dict[str, Any] | None) -> tuple[str, str | None]:
     )
 
 
+def chat_spec(engine: Engine, data: ChatCompletionRequest) -> GrammarSpec | None:
+    """A chat completion's constraint: a forced tool call wins over response_format (a
+    turn that calls a tool has no content to format)."""
+    choice, name = _chat_choice(data.tool_choice)
+    single = data.parallel_tool_calls is False
+    tools = parse_tools(data.tools) if choice != "auto" or single else []
+    spec = tool_spec(engine, choice, tools, name=name, parallel=not single)
+    if choice in ("auto", "none") and (fmt_spec := response_format_spec(data.response_format)):
+        spec = fmt_spec
+    return spec
+
+
 async def chat_constraint(engine: Engine, data: ChatCompletionRequest) -> Constraint | None:
-    """The constraint a chat completion asks for: a forced tool call wins over
-    response_format (a turn that calls a tool has no content to format)."""
-    try:
-        choice, name = _chat_choice(data.tool_choice)
-        tools = (
-            parse_tools(data.tools) if choice != "auto" or data.parallel_tool_calls is False else []
-        )
-        parallel = data.parallel_tool_calls is not False
-        spec = tool_spec(engine, choice, tools, name=name, parallel=parallel)
-        if choice in ("auto", "none") and (fmt_spec := response_format_spec(data.response_format)):
-            spec = fmt_spec
-    except ConstraintError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
-    return await compile_spec(engine, spec)
+    if (
+        data.tool_choice is None
+        and data.response_format is None
+        and not (data.parallel_tool_calls is False and data.tools)
+    ):
+        return None  # the common case pays no thread hop
+    return await constrain(engine, lambda: chat_spec(engine, data))
 
 
 def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    """Anthropic tool definitions ({name, description, input_schema}), validated."""
+    check_schema_size(tools, "tools")
     out = []
     for i, t in enumerate(tools or []):
         name, schema = (t.get("name"), t.get("input_schema")) if isinstance(t, dict) else (0, 0)
@@ -131,30 +144,32 @@ def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
         fn = {"type": "function", "function": {"name": name, "parameters": schema}}
         try:
             out.extend(parse_tools([fn]))
-        except ConstraintError:
-            raise ConstraintError(
-                f"tools[{i}].name must be 1-128 letters, digits, _ . : or -", "tools"
-            ) from None
+        except ConstraintError as exc:
+            what = "name" if exc.param.endswith(".name") else "input_schema"
+            raise ConstraintError(f"tools[{i}].{what}: {exc}", "tools") from None
+    if len({t.name for t in out}) != len(out):
+        raise ConstraintError("tools: tool names must be unique", "tools")
     return out
 
 
-async def messages_constraint(engine: Engine, data: MessagesRequest) -> Constraint | None:
+def messages_spec(engine: Engine, data: MessagesRequest) -> GrammarSpec | None:
     """Anthropic's tool_choice: auto | any | tool (with name) | none, and
     disable_parallel_tool_use."""
     value = data.tool_choice
-    if value is None:
+    assert value is not None
+    kind = value.get("type")
+    names = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+    if kind not in names:
+        raise ConstraintError("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    name = value.get("name")
+    if kind == "tool" and not isinstance(name, str):
+        raise ConstraintError("tool_choice.name is required for type tool", "tool_choice.name")
+    parallel = not value.get("disable_parallel_tool_use", False)
+    tools = _anthropic_tools(data.tools)
+    return tool_spec(engine, names[kind], tools, name=name, parallel=parallel)
+
+
+async def messages_constraint(engine: Engine, data: MessagesRequest) -> Constraint | None:
+    if data.tool_choice is None:
         return None
-    try:
-        kind = value.get("type")
-        names = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
-        if kind not in names:
-            raise ConstraintError("tool_choice.type must be auto, any, tool or none", "tool_choice")
-        name = value.get("name")
-        if kind == "tool" and not isinstance(name, str):
-            raise ConstraintError("tool_choice.name is required for type tool", "tool_choice.name")
-        parallel = not value.get("disable_parallel_tool_use", False)
-        tools = _anthropic_tools(data.tools)
-        spec = tool_spec(engine, names[kind], tools, name=name, parallel=parallel)
-    except ConstraintError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
-    return await compile_spec(engine, spec)
+    return await constrain(engine, lambda: messages_spec(engine, data))

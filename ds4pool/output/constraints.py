@@ -49,6 +49,10 @@ OPENERS = {
 }
 
 IsToken = Callable[[str], bool]  # is this string one token of the vocabulary?
+# Compile time grows steeply with schema nesting (depth 200: ~2 s, 490: ~50 s on one core)
+# and with many optional properties; these bounds keep one compile well under a second.
+MAX_SCHEMA_DEPTH = 32  # nested JSON objects/arrays in one schema document
+MAX_SCHEMA_VALUES = 5000  # JSON values (objects, arrays, scalars) over all schemas of a request
 
 
 class ConstraintError(Ds4poolError):
@@ -82,12 +86,33 @@ def detect_tool_format(chat_template: str | None) -> str | None:
     return None
 
 
+def check_schema_size(value: object, param: str, budget: int = MAX_SCHEMA_VALUES) -> int:
+    """Raise ConstraintError if `value` nests deeper than MAX_SCHEMA_DEPTH or holds more than
+    `budget` JSON values; else return the number of values. Iterative: no recursion limit."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    count = 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > budget:
+            raise ConstraintError(f"{param}: schema too large (over {budget} JSON values)", param)
+        if isinstance(item, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ConstraintError(
+                    f"{param}: schema nested deeper than {MAX_SCHEMA_DEPTH} levels", param
+                )
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return count
+
+
 def parse_tools(tools: object, param: str = "tools") -> list[FunctionTool]:
     """OpenAI-style tool definitions ({"type": "function", "function": {name, parameters}})."""
     if tools is None:
         return []
     if not isinstance(tools, list):
         raise ConstraintError(f"{param} must be a list", param)
+    check_schema_size(tools, param)
     out = []
     for i, tool in enumerate(tools):
         where = f"{param}[{i}]"
@@ -121,6 +146,7 @@ def json_schema_spec(schema: object, param: str) -> GrammarSpec:
     """Output is one JSON value matching `schema` (a JSON Schema object)."""
     if not isinstance(schema, dict):
         raise ConstraintError(f"{param} must be a JSON Schema object", param)
+    check_schema_size(schema, param)
     return GrammarSpec("json_schema", json.dumps(schema), param)
 
 

@@ -137,6 +137,13 @@ def test_tool_choice_required_and_named(server: Server) -> None:
     check_calls(calls, {"read_file"})
 
 
+def deep_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):  # would take xgrammar ~30 s to compile, and json.dumps recurses
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def test_bad_constraints_are_400s_naming_the_field(server: Server) -> None:
     c = oai(server)
     cases = [
@@ -150,6 +157,15 @@ def test_bad_constraints_are_400s_naming_the_field(server: Server) -> None:
                 "response_format": {
                     "type": "json_schema",
                     "json_schema": {"name": "x", "schema": {"type": "no-such-type"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "deep", "schema": deep_schema(400)},
                 }
             },
             "response_format.json_schema.schema",
@@ -196,3 +212,12 @@ def test_anthropic_tool_choice_any_and_tool(server: Server) -> None:
             tool_choice={"type": "tool", "name": "rm"},
         )
     assert "no tool named 'rm'" in exc.value.body["error"]["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        c.messages.create(
+            model="demo",
+            max_tokens=5,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            tools=[{"name": "x", "input_schema": deep_schema(100)}],  # type: ignore[list-item]
+            tool_choice={"type": "any"},
+        )
+    assert "nested deeper" in exc.value.body["error"]["message"]  # type: ignore[index]
