@@ -1,17 +1,23 @@
 """Decode throughput of the engine core at several batch sizes, next to the memory roofline.
 
     python bench/decode.py --model random:100m --batch 1 8 32
-    python bench/decode.py --model random:llama3-8b --device cuda --batch 1 32 --roofline
+    python bench/decode.py --model random:llama3-8b --device cuda --batch 1 8 32 64 \
+        --roofline --peer-hf --prefill 16384
 
 Each batch size: B prompts of --prompt-len tokens are prefilled (untimed), then
---steps decode steps of all B sequences are timed, one forward per step (greedy).
-The roofline is the fastest a decode step can be if it only had to read the weights
-once: weight bytes / measured device copy bandwidth (KV reads ignored).
+--steps decode steps of all B sequences are timed, one forward per step (greedy), as the
+server runs them (the persistent input batch; CUDA graphs on CUDA with the Triton backend).
+Rooflines: the fastest a decode step can be if it only had to read the weights once
+(weight bytes / measured copy bandwidth), and counting the KV read too (weights + B x the
+mean context x KV bytes per token). --peer-hf runs transformers' `generate` with a static
+cache on the same shapes in the same process (bench/hf_peer.py). --prefill N times one
+N-token prompt prefilled in one step, against a measured bf16 matmul rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from datetime import date
@@ -50,8 +56,46 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / times[len(times) // 2]
 
 
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n matmul (median of 10 after 3 warm-ups)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def bench_prefill(runner: ModelRunner, prompt_len: int, chunk: int) -> float:
+    """Seconds to prefill one prompt of prompt_len tokens in chunks of `chunk` (median of 3)."""
+    pool = BlockPool(runner.num_blocks)
+    vocab = runner.loaded.config.vocab_size
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    ids = prompt.tolist()
+    times = []
+    for _ in range(4):
+        table = BlockTable(runner.block_size)
+        table.ensure(pool, prompt_len)
+        t0 = time.perf_counter()
+        for start in range(0, prompt_len, chunk):
+            part = ids[start : start + chunk]
+            last = start + len(part) == prompt_len
+            runner.step([SeqInput(part, start, table.blocks, sample=last)])
+        sync(runner.device)
+        times.append(time.perf_counter() - t0)
+        table.release(pool)
+    return sorted(times[1:])[1]
+
+
 def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
-    """Median-free simple timing: total wall time of `steps` decode steps (after 2 warm-up)."""
+    """Total wall time of `steps` decode steps (after 2 warm-up steps) → tok/s."""
     pool = BlockPool(runner.num_blocks)
     vocab = runner.loaded.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
@@ -59,13 +103,21 @@ def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) ->
     last = []
     for table in tables:
         prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-        table.ensure(pool, prompt_len + steps + 2)
-        out = runner.step([SeqInput(prompt, 0, table.blocks)])
+        table.ensure(pool, prompt_len + 1)
+        for start in range(0, prompt_len, 4096):
+            part = prompt[start : start + 4096]
+            done = start + len(part) == prompt_len
+            out = runner.step([SeqInput(part, start, table.blocks, sample=done)])
         last.append(out.sampled[0])
     n = prompt_len
     elapsed = 0.0
     for i in range(steps + 2):
-        seqs = [SeqInput([tok], n, t.blocks) for tok, t in zip(last, tables)]
+        for t in tables:
+            t.ensure(pool, n + 1)  # the scheduler grows tables the same way
+        seqs = [
+            SeqInput([tok], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch)
+            for j, (tok, t) in enumerate(zip(last, tables))
+        ]
         t0 = time.perf_counter()
         out = runner.step(seqs)  # ends with the readback of the sampled ids: synced
         if i >= 2:
@@ -85,7 +137,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--backend", default="auto", help="attention backend: auto, torch, triton")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--roofline", action="store_true", help="measure copy bandwidth (GPU)")
+    ap.add_argument("--peer-hf", action="store_true", help="transformers static-cache peer")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one N-token prefill")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk (0: whole)")
     args = ap.parse_args()
 
     device = select_device(args.device)
@@ -93,37 +150,124 @@ def main() -> None:
     t0 = time.perf_counter()
     loaded = load_model(args.model, device, dtype)
     load_s = time.perf_counter() - t0
+    cfg = loaded.config
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    embed = loaded.model.model.embed_tokens.weight
+    # A decode step reads every weight but the embedding table (B rows of it), unless tied.
+    read_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)
+    kv_per_token = cfg.kv_bytes_per_token(dtype.itemsize)
     bs = 16
     per_seq = -(-(args.prompt_len + args.steps + 2) // bs)
-    runner = ModelRunner(loaded, num_blocks=per_seq * max(args.batch) + 1, block_size=bs)
+    num_blocks = max(per_seq * max(args.batch), -(-args.prefill // bs)) + 1
+    runner = ModelRunner(
+        loaded,
+        num_blocks=num_blocks,
+        block_size=bs,
+        backend=args.backend,
+        cuda_graphs=not args.no_cuda_graphs,
+        max_decode_batch=max(64, max(args.batch)),
+    )
     bandwidth = copy_bandwidth(device) if args.roofline else None
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    graphs = "on" if runner.graphs is not None else "off"
     print(
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
-        f"{weight_bytes / 1e9:.2f} GB weights, torch {torch.__version__}, "
+        f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
+        f"attention {runner.backend.name}, CUDA graphs {graphs}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )
+    print(f"# prompt {args.prompt_len} tokens, {args.steps} decode steps timed after 2 warm-up")
     if bandwidth:
         print(
             f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s → weight-read floor "
-            f"{weight_bytes / bandwidth * 1e3:.2f} ms/step"
+            f"{read_bytes / bandwidth * 1e3:.2f} ms/step"
         )
-    header = "| batch | decode tok/s | ms/step |"
+    rows = []
+    for b in args.batch:
+        rows.append((b, bench_batch(runner, b, args.prompt_len, args.steps)))
+        print(f"# batch {b}: {rows[-1][1]:.1f} tok/s", flush=True)
+    prefill_s = (
+        bench_prefill(runner, args.prefill, args.prefill_chunk or args.prefill)
+        if (args.prefill)
+        else None
+    )
+    del runner
+    peer: dict[int, float] = {}
+    if args.peer_hf:
+        peer = run_peer(args, loaded, device, dtype)
+    header = "| batch | ds4pool tok/s | ms/step |"
     sep = "|---:|---:|---:|"
+    if peer:
+        header += " transformers static cache tok/s | ds4pool / transformers |"
+        sep += "---:|---:|"
     if bandwidth:
-        header += " roofline tok/s | % of roofline |"
+        header += " % of weight roofline | % of weight+KV roofline |"
         sep += "---:|---:|"
     print(header)
     print(sep)
-    for b in args.batch:
-        tps = bench_batch(runner, b, args.prompt_len, args.steps)
+    mean_ctx = args.prompt_len + args.steps / 2
+    for b, tps in rows:
         row = f"| {b} | {tps:.1f} | {b / tps * 1e3:.2f} |"
+        if peer:
+            row += f" {peer[b]:.1f} | {tps / peer[b]:.2f}x |"
         if bandwidth:
-            roof = b * bandwidth / weight_bytes
-            row += f" {roof:.0f} | {100 * tps / roof:.0f}% |"
+            floor = read_bytes / bandwidth  # seconds per step
+            floor_kv = (read_bytes + b * mean_ctx * kv_per_token) / bandwidth
+            step = b / tps
+            row += f" {100 * floor / step:.0f}% | {100 * floor_kv / step:.0f}% |"
         print(row, flush=True)
+    if prefill_s is not None:
+        report_prefill(args, cfg, read_bytes, prefill_s, device, dtype)
+
+
+def run_peer(
+    args: argparse.Namespace, loaded: object, device: torch.device, dtype: torch.dtype
+) -> dict[int, float]:
+    from bench import hf_peer
+
+    hf = hf_config_of(args.model)
+    del loaded
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    model = hf_peer.build_model(hf, device, dtype)
+    out = {}
+    for b in args.batch:
+        out[b] = hf_peer.decode_tok_s(model, b, args.prompt_len, args.steps)
+        print(f"# transformers batch {b}: {out[b]:.1f} tok/s", flush=True)
+    return out
+
+
+def hf_config_of(spec: str) -> dict:
+    from ds4pool.model import demo
+    from ds4pool.model.loader import read_json
+
+    if spec.startswith("random:"):
+        return dict(demo.DEMO_CONFIG, head_dim=None, **demo.PRESETS[spec.removeprefix("random:")])
+    directory = demo.ensure_demo_model() if spec == "demo" else Path(spec).expanduser()
+    return read_json(directory / "config.json")
+
+
+def report_prefill(
+    args: argparse.Namespace,
+    cfg: object,
+    read_bytes: int,
+    seconds: float,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    n = args.prefill
+    params = read_bytes / dtype.itemsize
+    # matmul FLOPs of the weights plus causal attention (QK^T and PV over n(n+1)/2 pairs)
+    flops = 2 * params * n + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+    rate = matmul_rate(device, dtype) if device.type == "cuda" else None
+    line = f"\nprefill of one {n}-token prompt: {seconds:.3f} s = {n / seconds:,.0f} tok/s, "
+    line += f"{flops / seconds / 1e12:.1f} TFLOP/s"
+    if rate:
+        line += f" = {100 * flops / seconds / rate:.0f}% of the bf16 matmul rate measured here "
+        line += f"({rate / 1e12:.0f} TFLOP/s, 8192^3)"
+    print(line)
 
 
 if __name__ == "__main__":

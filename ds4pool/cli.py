@@ -64,7 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from ds4pool.model.generate_cli import run_generate
+    from ds4pool.generate_cli import run_generate
 
     return run_generate(args)
 

@@ -47,6 +47,8 @@ class EngineConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)
     cache_dir: Path | None = None
     show_progress: bool = False
+    attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
+    cuda_graphs: bool = True  # capture decode steps per batch-size bucket (CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("kv_block_size", "max_batch_tokens", "max_batch_size"):
@@ -90,7 +92,14 @@ class Engine:
         num_blocks = ModelRunner.blocks_for_bytes(
             loaded, cfg.kv_block_size, device_kv_bytes(cfg, loaded.device)
         )
-        self.runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=cfg.kv_block_size)
+        self.runner = ModelRunner(
+            loaded,
+            num_blocks=num_blocks,
+            block_size=cfg.kv_block_size,
+            backend=cfg.attention_backend,
+            cuda_graphs=cfg.cuda_graphs,
+            max_decode_batch=cfg.max_batch_size,
+        )
         self.pool = SessionPool(
             PoolConfig(
                 num_device_blocks=num_blocks,

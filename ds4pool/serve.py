@@ -59,6 +59,19 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one request at a time, one live session (the serialized baseline)",
     )
+    _flag(
+        g,
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="paged attention: auto (triton on CUDA, torch elsewhere), torch, triton",
+    )
+    _flag(
+        g,
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
     k = p.add_argument_group("session pool")
     _flag(
         k,
@@ -162,6 +175,8 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             no_batching=args.no_batching,
+            attention_backend=args.attention_backend,
+            cuda_graphs=not args.no_cuda_graphs,
             max_waiting=args.max_waiting,
             max_waiting_per_tenant=args.max_waiting_per_tenant,
             aging_s=args.aging_s,

@@ -12,6 +12,21 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+# The GPU image has torch but not the server stack: there `pytest -m cuda tests` collects
+# the engine and GPU tests and leaves out the suites that need a real server.
+collect_ignore = (
+    [] if all(map(_importable, ("uvicorn", "litestar"))) else ["integration", "reliability"]
+)
+
+
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from ds4pool.model.demo import ensure_demo_model

@@ -8,10 +8,16 @@ block whose count is > 1).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from ds4pool.errors import OutOfBlocksError
+
+# Unique ids, not state: block-table epochs must never repeat within the process, even
+# across pools, because a model runner's input batch may outlive a pool (benchmarks,
+# tests) and compares epochs to decide what to re-upload.
+_EPOCHS = itertools.count(1)
 
 
 class BlockPool:
@@ -23,6 +29,11 @@ class BlockPool:
         # FIFO of free ids: a freed block is reused last, which keeps recently freed
         # contents around longest (useful when debugging a stale read).
         self._free: deque[int] = deque(range(num_blocks))
+
+    @staticmethod
+    def next_epoch() -> int:
+        """A number no block table in this process had before (see BlockTable.epoch)."""
+        return next(_EPOCHS)
 
     @property
     def num_free(self) -> int:
@@ -78,10 +89,16 @@ class BlockTable:
     """The blocks holding one sequence's KV, in token order.
 
     Token p lives in blocks[p // block_size] at offset p % block_size.
+
+    `epoch` changes whenever the list changes other than by appending (a truncation, or the
+    first allocation), and is unique within the pool: a reader that copied the first n ids
+    under epoch e may copy only the ids past n while the epoch is still e (the model
+    runner keeps its device copy of block tables up to date this way).
     """
 
     block_size: int
     blocks: list[int] = field(default_factory=list)
+    epoch: int = 0
 
     @property
     def capacity(self) -> int:
@@ -92,7 +109,10 @@ class BlockTable:
 
     def ensure(self, pool: BlockPool, num_tokens: int) -> None:
         """Grow to hold num_tokens (all-or-nothing: OutOfBlocksError leaves it unchanged)."""
-        self.blocks.extend(pool.allocate(self.blocks_needed(num_tokens)))
+        new = pool.allocate(self.blocks_needed(num_tokens))
+        if not self.epoch:
+            self.epoch = pool.next_epoch()
+        self.blocks.extend(new)
 
     def truncate(self, pool: BlockPool, num_tokens: int) -> None:
         """Release the blocks past the first num_tokens tokens."""
@@ -100,6 +120,7 @@ class BlockTable:
         if keep < len(self.blocks):
             pool.free(self.blocks[keep:])
             del self.blocks[keep:]
+            self.epoch = pool.next_epoch()
 
     def release(self, pool: BlockPool) -> None:
         self.truncate(pool, 0)

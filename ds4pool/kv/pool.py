@@ -45,6 +45,7 @@ from ds4pool.kv.session import (
 )
 from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
 from ds4pool.kv.transfer import gather_to_host, scatter_from_host
+from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
 
 
@@ -110,8 +111,7 @@ class SessionPool:
         self.fingerprint = fingerprint
         self.observer = observer or PoolObserver()
         self.blocks = BlockPool(cfg.num_device_blocks)
-        first = kv_caches[0]
-        self.kv_bytes_per_token = nbytes(first[:, 0, 0]) * len(kv_caches)
+        self.kv_bytes_per_token = KVLayout.of(kv_caches).bytes_per_token
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._sessions: dict[SessionKey, Session] = {}

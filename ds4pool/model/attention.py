@@ -7,17 +7,25 @@ context_lens[i] tokens of KV in the blocks listed by block_tables[i]:
     # [0, context_len - query_len)   already in the cache before this step
     # [context_len - query_len, context_len)   written by this step (the query tokens)
 
-The KV cache of one layer is one preallocated tensor [2, num_blocks, block_size, H_kv, D];
+The KV cache of one layer is laid out as `KVLayout` (ds4pool/model/kv_layout.py) says;
 token p of a sequence lives at slot block_table[p // block_size] * block_size + p % block_size.
-The backend is stateless: all it needs arrives in `AttentionMetadata` (no global context).
+
+Backends sit behind `AttentionBackend`: the torch reference here (CPU, MPS, and the oracle
+in tests) and the Triton backend (ds4pool/model/attention_triton.py) on CUDA. A backend is
+stateless: all it needs arrives in `AttentionMetadata` (no global context). The runner
+builds metadata once per step (`build_metadata`), or, for CUDA-graph decode steps, points
+it at its persistent device buffers (`ds4pool/model/input_batch.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn import functional as F
+
+from ds4pool.model.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -43,10 +51,36 @@ class AttentionMetadata:
     prefills: tuple[PrefillSlice, ...]
     block_size: int
     sliding_window: int | None = None
+    # For kernels over the whole ragged batch (Triton): sequence i's query rows are
+    # [query_start[i], query_start[i + 1]); decode_only means every sequence has one.
+    query_start: torch.Tensor | None = None  # [B + 1] int32
+    max_query_len: int = 1
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """What a model's attention layers call. Invariants: `forward` writes this step's k, v
+    at `meta.slot_mapping` and then attends; it never syncs with the host; with
+    `supports_cuda_graphs`, a decode-only `forward` over persistent metadata buffers may be
+    captured once per batch shape and replayed with new values in the same buffers."""
+
+    name: str
+    supports_cuda_graphs: bool
+    index_dtype: torch.dtype  # of block_tables / context_lens in its metadata
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, H_kv, D]
+        v: torch.Tensor,  # [T, H_kv, D]
+        cache: torch.Tensor,  # one layer, KVLayout
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, H, D]
 
 
 def build_metadata(
@@ -56,8 +90,10 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: int | None = None,
+    index_dtype: torch.dtype = torch.int64,
 ) -> AttentionMetadata:
-    """Host-side construction from ids and counts; one host→device copy per tensor."""
+    """Host-side construction from ids and counts; one host→device copy per tensor.
+    block_tables and context_lens come in `index_dtype` (the backend's)."""
     assert len(query_lens) == len(context_lens) == len(block_tables)
     positions: list[int] = []
     slots: list[int] = []
@@ -81,38 +117,50 @@ def build_metadata(
         start += q
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
 
-    def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    def tensor(
+        values: list[int] | list[list[int]], dtype: torch.dtype = torch.int64
+    ) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    query_start = [0]
+    for q in query_lens:
+        query_start.append(query_start[-1] + q)
     return AttentionMetadata(
         positions=tensor(positions),
         slot_mapping=tensor(slots),
-        block_tables=tensor(padded),
-        context_lens=tensor(context_lens),
+        block_tables=tensor(padded, index_dtype),
+        context_lens=tensor(context_lens, index_dtype),
         decode_rows=tensor(decode_rows),
         decode_tokens=tensor(decode_tokens),
         max_decode_blocks=max_decode_blocks,
         prefills=tuple(prefills),
         block_size=block_size,
         sliding_window=sliding_window,
+        query_start=tensor(query_start, torch.int32),
+        max_query_len=max(query_lens, default=1),
+        decode_only=not prefills,
     )
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Scatter this step's k, v [T, H_kv, D] into the layer cache at `slots` [T]."""
-    _, _, _, h_kv, d = cache.shape
-    cache[0].view(-1, h_kv, d).index_copy_(0, slots, k)
-    cache[1].view(-1, h_kv, d).index_copy_(0, slots, v)
+    tokens = KVLayout.token_view(cache)  # [2, slots, H_kv, D]
+    tokens[0].index_copy_(0, slots, k)
+    tokens[1].index_copy_(0, slots, v)
 
 
 class TorchPagedAttention:
-    """Reference backend in plain torch: runs on CPU, MPS and CUDA.
+    """Reference backend in plain torch: runs on CPU, MPS and CUDA (the oracle in tests).
 
     Decode tokens of all sequences are attended together (keys gathered through the
     block tables and padded to the longest context, padding masked); each prompt chunk
     is attended on its own with SDPA. A faster kernel can replace this class as long as
     it keeps `forward`'s contract.
     """
+
+    name = "torch"
+    supports_cuda_graphs = False
+    index_dtype = torch.int64
 
     def forward(
         self,

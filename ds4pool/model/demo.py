@@ -164,6 +164,7 @@ def load_random_preset(
     cfg = preset_config(name)
     model = build_empty(cfg, device, dtype)
     init_random_(model, DEMO_SEED)
+    model.fuse_projections()
     tokenizer = Tokenizer.from_dir(ensure_demo_model(cache_dir))
     return LoadedModel(
         model=model,

@@ -158,11 +158,14 @@ def _first_line(exc: BaseException) -> str:
     return _CPP_PREFIX.sub("", text.splitlines()[0])[:300]
 
 
-def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
-    """Set logits[rows[k], v] = -inf wherever masks[k] (host int32 [W]) clears token v's bit.
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]
+) -> torch.Tensor:
+    """logits with [rows[k], v] = -inf wherever masks[k] (host int32 [W]) clears token v's bit.
 
     logits [R, V] on the device. One host → device upload (pinned on CUDA), no readback;
-    rows outside `rows` are untouched, so unconstrained rows sample as they would alone.
+    rows outside `rows` are copied unchanged, so unconstrained rows sample as they would
+    alone. Out of place: `logits` may be a buffer the caller (a CUDA graph) reuses.
     """
     num_vocab = logits.shape[1]
     host = torch.stack(masks)  # [M, W]
@@ -176,4 +179,4 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], masks: list[torc
     # [M, W, 32] bits → [M, W * 32] → the first V columns; the sign bit reads as 1 too
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]
     masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index, masked)
+    return logits.index_copy(0, index, masked)

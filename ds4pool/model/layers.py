@@ -28,15 +28,39 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of `linears`' outputs (same input)."""
+    first = linears[0]
+    out = sum(lin.out_features for lin in linears)
+    fused = nn.Linear(first.in_features, out, bias=first.bias is not None)
+    fused = fused.to(device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    return fused.requires_grad_(False)
+
+
 class GatedMLP(nn.Module):
+    """gate/up are separate on disk; `fuse()` makes them one `gate_up_proj` after loading."""
+
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ds4pool.model.attention import AttentionMetadata, TorchPagedAttention
+from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from ds4pool.model.config import ModelConfig
-from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, fuse_linears
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+    """q/k/v projections are separate on disk (HF names); `fuse()` turns them into one
+    `qkv_proj` matmul after loading (one GEMM read of the weights instead of three)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         e = cfg.hidden_size
@@ -35,6 +38,11 @@ class LlamaAttention(nn.Module):
         )
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -44,9 +52,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split((qs, kvs, kvs), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -56,7 +69,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
@@ -75,7 +88,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
@@ -90,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
     them, usually the last token of each sequence: the LM head is the largest matmul.
     """
 
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend or TorchPagedAttention())
@@ -112,3 +125,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def fuse_projections(self) -> None:
+        """After loading: q/k/v → qkv_proj and gate/up → gate_up_proj in every layer."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()

@@ -171,6 +171,7 @@ def load_model(
     tokenizer = Tokenizer.from_dir(directory)
     model = build_empty(cfg, device, dtype)
     load_weights(model, files, show_progress)
+    model.fuse_projections()  # HF names on disk, fused matmuls in memory
     return LoadedModel(
         model=model,
         config=cfg,

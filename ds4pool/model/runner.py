@@ -3,6 +3,13 @@
 The contract with the layer above (scheduler, generate loop) is a list of `SeqInput`s
 (ids and counts, no tensors) in, a `StepOutput` out. One host sync per step: the
 readback of the sampled ids.
+
+Two paths:
+- decode-only steps (one token per sequence) go through the persistent `InputBatch`,
+  which uploads only what changed (block tables by diffs keyed by seq_id and the table's
+  epoch); on CUDA with a graph-capable backend they replay a captured CUDA graph;
+- every other step (prompt chunks, mixed) builds its metadata from the lists and runs
+  eagerly.
 """
 
 from __future__ import annotations
@@ -13,8 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from ds4pool.errors import ContextLengthError
-from ds4pool.model.attention import build_metadata
-from ds4pool.model.grammar import apply_token_bitmask_
+from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
+from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
+from ds4pool.model.cuda_graphs import DecodeGraphs, default_buckets
+from ds4pool.model.grammar import apply_token_bitmask
+from ds4pool.model.input_batch import DecodeRow, InputBatch
+from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
@@ -34,6 +45,10 @@ class SeqInput:
     sampling: SamplingParams = GREEDY
     seed: int = 0
     output_token_ids: Sequence[int] = ()  # generated so far: penalties and RNG step
+    # Identity for the persistent input batch: the runner re-sends only the block ids past
+    # those it holds for (seq_id, table_epoch); None re-sends the whole table every step.
+    seq_id: int | None = None
+    table_epoch: int = 0
     # host int32 [ceil(V / 32)], bit v set = token v allowed (grammar-constrained rows only)
     token_bitmask: torch.Tensor | None = None
 
@@ -48,8 +63,30 @@ class StepOutput:
     logits: torch.Tensor | None = None  # [num_sampled, V] float32, when asked for
 
 
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """ "auto": Triton on CUDA where triton imports, else the torch reference."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "triton":
+        if device.type != "cuda" or not triton_available():
+            raise ValueError("the triton attention backend needs CUDA and the triton package")
+        return TritonPagedAttention()
+    if name == "torch":
+        return TorchPagedAttention()
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        backend: str = "auto",
+        cuda_graphs: bool = True,
+        max_decode_batch: int = 64,
+    ) -> None:
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -57,19 +94,40 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = cfg.max_position
-        # Zero-filled, not empty: padded gathers read unused slots and mask them, and
-        # 0 * NaN from uninitialised memory would poison the softmax output.
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=loaded.dtype, device=self.device)
-            for _ in range(cfg.num_layers)
-        ]
+        self.layout = KVLayout(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+        )
+        self.kv_caches = self.layout.allocate(self.device)
+        self.backend = select_backend(backend, self.device)
+        set_backend = getattr(self.model, "set_attention_backend", None)
+        if set_backend is not None:
+            set_backend(self.backend)
         self.sampler = Sampler(self.device)
+        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self.batch = InputBatch(
+            self.layout,
+            max_decode_batch,
+            self.max_blocks_per_seq,
+            self.device,
+            self.backend.index_dtype,
+            cfg.sliding_window,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and self.backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.batch,
+                default_buckets(max_decode_batch),
+                cfg.vocab_size,
+                loaded.dtype,
+            )
 
     @staticmethod
     def blocks_for_bytes(loaded: LoadedModel, block_size: int, nbytes: int) -> int:
         per_token = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
-        return max(1, nbytes // (per_token * block_size))
+        # one block more is allocated as scratch (KVLayout)
+        return max(1, nbytes // (per_token * block_size) - 1)
 
     @property
     def kv_bytes(self) -> int:
@@ -96,29 +154,21 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqInput], return_logits: bool = False) -> StepOutput:
         self.validate(seqs)
-        meta = build_metadata(
-            [len(s.token_ids) for s in seqs],
-            [s.context_len for s in seqs],
-            [list(s.block_table) for s in seqs],
-            self.block_size,
-            self.device,
-            self.loaded.config.sliding_window,
-        )
-        flat = [t for s in seqs for t in s.token_ids]
-        ids = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(ids, self.kv_caches, meta)  # [T, E]
         rows = [i for i, s in enumerate(seqs) if s.sample]
+        decode = len(seqs) <= self.batch.max_rows and all(len(s.token_ids) == 1 for s in seqs)
+        if decode:
+            logits = self._decode_logits(seqs)  # [B, V], every row
+            if len(rows) != len(seqs):
+                index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+                logits = logits.index_select(0, index)
+        else:
+            logits = self._eager_logits(seqs, rows)
         if not rows:
             return StepOutput(sampled=[None] * len(seqs))
-        ends, total = [], 0
-        for s in seqs:
-            total += len(s.token_ids)
-            ends.append(total - 1)
-        last = torch.tensor([ends[i] for i in rows], dtype=torch.int64).to(self.device)
-        logits = self.model.compute_logits(hidden[last]).float()  # [R, V]
+        logits = logits.float()  # [R, V]
         masked = [(j, m) for j, i in enumerate(rows) if (m := seqs[i].token_bitmask) is not None]
-        if masked:
-            apply_token_bitmask_(logits, [j for j, _ in masked], [m for _, m in masked])
+        if masked:  # out of place: logits may be a CUDA graph's static output buffer
+            logits = apply_token_bitmask(logits, [j for j, _ in masked], [m for _, m in masked])
         sampled_t = self.sampler.sample(
             logits,
             [seqs[i].sampling for i in rows],
@@ -130,3 +180,40 @@ class ModelRunner:
         for i, tok in zip(rows, sampled_ids):
             out[i] = tok
         return StepOutput(sampled=out, logits=logits if return_logits else None)
+
+    def _decode_logits(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+        n = len(seqs)
+        bucket = self.graphs.bucket_for(n) if self.graphs is not None else None
+        max_ctx = self.batch.load(
+            [
+                DecodeRow(s.token_ids[0], s.num_computed, s.block_table, s.seq_id, s.table_epoch)
+                for s in seqs
+            ],
+            bucket or n,
+        )
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.replay(bucket, max_ctx)[:n]
+        meta = self.batch.metadata(n, max_ctx)
+        hidden = self.model(self.batch.input_ids[:n], self.kv_caches, meta)  # [B, E]
+        return self.model.compute_logits(hidden)
+
+    def _eager_logits(self, seqs: Sequence[SeqInput], rows: list[int]) -> torch.Tensor:
+        meta = build_metadata(
+            [len(s.token_ids) for s in seqs],
+            [s.context_len for s in seqs],
+            [list(s.block_table) for s in seqs],
+            self.block_size,
+            self.device,
+            self.loaded.config.sliding_window,
+            self.backend.index_dtype,
+        )
+        flat = [t for s in seqs for t in s.token_ids]
+        ids = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(ids, self.kv_caches, meta)  # [T, E]
+        ends, total = [], 0
+        for s in seqs:
+            total += len(s.token_ids)
+            ends.append(total - 1)
+        last = torch.tensor([ends[i] for i in rows], dtype=torch.int64).to(self.device)
+        return self.model.compute_logits(hidden[last])  # [R, V]

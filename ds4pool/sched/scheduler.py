@@ -11,6 +11,7 @@ running list is the worker thread's alone. The engine lock (stage 3) is the work
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class Scheduler:
         self.running: list[Seq] = []
         self.accepting = True
         self._max_running = 1 if cfg.serialized else cfg.max_batch_size
+        self._seq_ids = itertools.count(1)  # identities for the runner's input batch
 
     # ------------------------------------------------------------ stage 1: enqueue
 
@@ -91,7 +93,7 @@ class Scheduler:
             # the queue ages priorities as floats: a huge int would fail every step
             raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         stream = RequestStream(req)
-        seq = Seq(req, stream)
+        seq = Seq(req, stream, seq_id=next(self._seq_ids))
         with self.wakeup:
             if not self.accepting:
                 self.observer.rejected("draining")
@@ -266,13 +268,16 @@ class Scheduler:
         assert seq.session is not None and seq.session.block_table is not None
         start = seq.num_computed
         sample = start + n == seq.num_tokens
+        table = seq.session.block_table
         step.seqs.append(seq)
         step.counts.append(n)
         step.inputs.append(
             SeqInput(
                 token_ids=seq.all_ids[start : start + n],
                 num_computed=start,
-                block_table=list(seq.session.block_table.blocks),
+                block_table=list(table.blocks),
+                seq_id=seq.seq_id,
+                table_epoch=table.epoch,
                 sample=sample,
                 sampling=seq.req.sampling,
                 seed=seq.seed,

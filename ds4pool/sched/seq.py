@@ -22,6 +22,7 @@ from ds4pool.sched.request import Event, Request, RequestStream, State, Usage
 class Seq:
     req: Request
     stream: RequestStream
+    seq_id: int = 0  # unique per scheduler: the runner's input batch keys rows by it
     state: State = State.WAITING
     session: Session | None = None
     prompt_ids: list[int] = field(default_factory=list)

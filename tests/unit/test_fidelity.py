@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds4pool.generate import generate
 from ds4pool.kv.blocks import BlockPool
 from ds4pool.model.attention import build_metadata
-from ds4pool.model.generate import generate
 from ds4pool.model.loader import (
     LoadedModel,
     build_empty,

@@ -76,6 +76,8 @@ def generate(
                         sampling=sampling,
                         seed=seeds[i],
                         output_token_ids=r.token_ids,
+                        seq_id=i + 1,
+                        table_epoch=tables[i].epoch,
                     )
                 )
             out = runner.step(batch)

@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from ds4pool.errors import Ds4poolError
+from ds4pool.generate import generate
 from ds4pool.kv.blocks import BlockPool
 from ds4pool.model.device import select_device, select_dtype
-from ds4pool.model.generate import generate
 from ds4pool.model.loader import load_model
 from ds4pool.model.runner import ModelRunner
 from ds4pool.model.sampler import SamplingParams

@@ -1,0 +1,241 @@
+"""Check, then benchmark, the Triton paged-attention kernels on one CUDA GPU (llama3-8b shapes).
+
+    python3 bench/attn_kernels.py            # checks + full table (< 4 min on an H200)
+    python3 bench/attn_kernels.py --quick    # fewer shapes, for a smoke run
+
+1. Checks: every launch variant below against the torch reference backend (TorchPagedAttention)
+   on ragged, shuffled paged batches (bf16, block 16, H=32, H_kv=8, D=128), incl. a sliding
+   window and a mixed prefill + decode step; then CUDA-graph replay of decode with new values.
+2. Ceilings measured here: device-to-device copy bandwidth (bytes read + written) and a bf16
+   torch.matmul 8192^3.
+3. Decode at B x context: KV bytes read, time (triton.testing.do_bench median, L2 flushed
+   between calls), GB/s and % of copy bandwidth, per launch variant; the best is marked.
+4. Prefill of one 16k prompt and a 2k chunk after 14k cached: TFLOP/s over the causal pairs
+   (2 matmuls x 2 flop x pairs x H x D) and % of the matmul rate.
+Tables print last; the exit code is 1 when a check failed. Change the variants below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4pool.model.attention import TorchPagedAttention, build_metadata  # noqa: E402
+from ds4pool.model.kernels import triton_attention as ta  # noqa: E402
+from tests.paged_cases import make_case, rel_err, torch_reference  # noqa: E402
+
+H, H_KV, D, BS = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+# name -> (launch, partition_size); the first is the default of triton_attention
+DECODE_VARIANTS: dict[str, tuple[ta.DecodeLaunch, int]] = {
+    "n64 w4 s2 p512": (ta.DecodeLaunch(64, 4, 2), 512),
+    "n128 w4 s2 p512": (ta.DecodeLaunch(128, 4, 2), 512),
+    "n64 w4 s3 p256": (ta.DecodeLaunch(64, 4, 3), 256),
+    "n128 w8 s2 p1024": (ta.DecodeLaunch(128, 8, 2), 1024),
+}
+PREFILL_VARIANTS: dict[str, ta.PrefillLaunch] = {
+    "m128 n64 w8 s2": ta.PrefillLaunch(128, 64, 8, 2),
+    "m64 n64 w4 s2": ta.PrefillLaunch(64, 64, 4, 2),
+    "m128 n128 w8 s2": ta.PrefillLaunch(128, 128, 8, 2),
+}
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting read + write."""
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def matmul_rate() -> float:
+    """flop/s of a bf16 8192^3 torch.matmul."""
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    b = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    ms = bench_ms(lambda: torch.matmul(a, b))
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def checks() -> list[str]:
+    """Every variant vs TorchPagedAttention; returns the failures."""
+    failures: list[str] = []
+    ctx = [1, 15, 16, 17, 130, 513, 1000, 2049, 4000, 8000, 777, 64]
+    shape = dict(heads=H, kv_heads=H_KV, head_dim=D, block_size=BS, dtype=DTYPE, device="cuda")
+    dec = make_case([1] * len(ctx), ctx, **shape)
+    mix = make_case([2048, 512, 1, 1, 300], [2048, 4096, 8000, 1, 300], **shape, seed=1)
+    for window in (None, 1000):
+        ref = torch_reference(dec, window).double().cpu()
+        for name, (launch, part) in DECODE_VARIANTS.items():
+            out = torch.full_like(dec.q, float("nan"))
+            ta.paged_decode(
+                dec.q, dec.cache[0], dec.cache[1], dec.block_tables, dec.context_lens, dec.scale,
+                out, sliding_window=window, partition_size=part, launch=launch,
+            )  # fmt: skip
+            failures += report(f"decode {name} window={window}", rel_err(out, ref))
+        ref = torch_reference(mix, window).double().cpu()
+        for name, launch in PREFILL_VARIANTS.items():
+            out = torch.full_like(mix.q, float("nan"))
+            ta.paged_prefill(
+                mix.q, mix.cache[0], mix.cache[1], mix.block_tables, mix.query_start,
+                mix.context_lens, 2048, mix.scale, out, sliding_window=window, launch=launch,
+            )  # fmt: skip
+            failures += report(f"prefill {name} window={window}", rel_err(out, ref))
+    failures += graph_check()
+    return failures
+
+
+def report(what: str, err: float) -> list[str]:
+    ok = err < 1e-2  # NaN fails too
+    print(f"check {'ok  ' if ok else 'FAIL'} {what}: rel err {err:.2e}", flush=True)
+    return [] if ok else [f"{what}: {err:.2e}"]
+
+
+def graph_check() -> list[str]:
+    """Capture decode once, replay with new lengths and tables: same as eager, bit for bit."""
+    case = make_case([1] * 8, [4000] * 8, heads=H, kv_heads=H_KV, head_dim=D, block_size=BS,
+                     dtype=DTYPE, device="cuda", spare_blocks=64, seed=2)  # fmt: skip
+    q, tables, lens = case.q, case.block_tables.clone(), case.context_lens.clone()
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        ta.paged_decode(q, case.cache[0], case.cache[1], tables, lens, case.scale, out)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    lens.copy_(torch.tensor([1, 0, 4000, 17, 2048, 999, 3, 512], dtype=torch.int32))
+    tables.copy_(torch.randint(0, case.cache.shape[1], tables.shape, device="cuda"))
+    graph.replay()
+    replayed = out.clone()
+    step()
+    same = bool(torch.equal(replayed, out))
+    print(f"check {'ok  ' if same else 'FAIL'} decode CUDA-graph replay == eager", flush=True)
+    return [] if same else ["decode CUDA-graph replay differs from eager"]
+
+
+def decode_table(batches: list[int], contexts: list[int], copy_bw: float) -> list[str]:
+    max_tokens = max(batches) * max(contexts)
+    cache = torch.randn(2, max_tokens // BS + 8, BS, H_KV, D, dtype=DTYPE, device="cuda")
+    names = list(DECODE_VARIANTS)
+    rows = [
+        "| B | context | KV MB | best | µs | GB/s | % copy BW | "
+        + " | ".join(f"{n} µs" for n in names) + " | torch ref µs |",
+        "|---" * (8 + len(names)) + "|",
+    ]  # fmt: skip
+    for b in batches:
+        for ctx in contexts:
+            nb = ctx // BS
+            perm = torch.randperm(cache.shape[1], device="cuda")[: b * nb]
+            tables = perm.view(b, nb).to(torch.int32)  # shuffled, non-contiguous blocks
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(b, H, D, dtype=DTYPE, device="cuda")
+            out = torch.empty_like(q)
+            times = {
+                name: bench_ms(partial(
+                    ta.paged_decode, q, cache[0], cache[1], tables, lens, D**-0.5, out,
+                    partition_size=part, launch=launch,
+                ))
+                for name, (launch, part) in DECODE_VARIANTS.items()
+            }  # fmt: skip
+            ref_ms = torch_decode_ms(q, cache, tables, lens)
+            best = min(times, key=times.__getitem__)
+            kv_bytes = b * ctx * H_KV * D * 2 * cache.element_size()
+            gbs = kv_bytes / (times[best] * 1e-3) / 1e9
+            rows.append(
+                f"| {b} | {ctx} | {kv_bytes / 1e6:.1f} | {best} | {times[best] * 1e3:.1f} | "
+                f"{gbs:.0f} | {100 * gbs * 1e9 / copy_bw:.0f}% | "
+                + " | ".join(f"{times[n] * 1e3:.1f}" for n in names) + f" | {ref_ms * 1e3:.0f} |"
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def torch_decode_ms(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
+                    lens: torch.Tensor) -> float:  # fmt: skip
+    """The reference backend's decode on the same batch (metadata built once, untimed)."""
+    ctx = lens.tolist()
+    meta = build_metadata([1] * len(ctx), ctx, tables.tolist(), BS, q.device)
+    backend = TorchPagedAttention()
+    return bench_ms(lambda: backend._decode(q, cache, meta, D**-0.5))
+
+
+def prefill_table(shapes: list[tuple[int, int]], matmul: float) -> list[str]:
+    """shapes: (query tokens, context after the step), one sequence each."""
+    names = list(PREFILL_VARIANTS)
+    rows = [
+        "| new tokens | context | best | ms | TFLOP/s | % matmul | "
+        + " | ".join(f"{n} ms" for n in names) + " |",
+        "|---" * (6 + len(names)) + "|",
+    ]  # fmt: skip
+    for q_len, ctx in shapes:
+        nb = -(-ctx // BS)
+        cache = torch.randn(2, nb + 8, BS, H_KV, D, dtype=DTYPE, device="cuda")
+        tables = torch.randperm(nb + 8, device="cuda")[:nb].view(1, nb).to(torch.int32)
+        q_start = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        q = torch.randn(q_len, H, D, dtype=DTYPE, device="cuda")
+        out = torch.empty_like(q)
+        times = {
+            name: bench_ms(partial(
+                ta.paged_prefill, q, cache[0], cache[1], tables, q_start, lens, q_len, D**-0.5,
+                out, launch=launch,
+            ))
+            for name, launch in PREFILL_VARIANTS.items()
+        }  # fmt: skip
+        best = min(times, key=times.__getitem__)
+        first = ctx - q_len  # query at position p sees p + 1 keys
+        pairs = (first + 1 + ctx) * q_len // 2
+        tflops = 4 * pairs * H * D / (times[best] * 1e-3) / 1e12
+        rows.append(
+            f"| {q_len} | {ctx} | {best} | {times[best]:.2f} | {tflops:.0f} | "
+            f"{100 * tflops * 1e12 / matmul:.0f}% | "
+            + " | ".join(f"{times[n]:.2f}" for n in names) + " |"
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    failures = checks()
+    copy_bw, matmul = copy_bandwidth(), matmul_rate()
+    batches = [1, 8] if args.quick else [1, 8, 32, 64]
+    contexts = [128, 1024] if args.quick else [128, 1024, 8192]
+    decode = decode_table(batches, contexts, copy_bw)
+    prefill_shapes = [(2048, 4096)] if args.quick else [(16384, 16384), (2048, 16384)]
+    prefill = prefill_table(prefill_shapes, matmul)
+
+    print(f"\n## Triton paged attention, {torch.cuda.get_device_name()}, llama3-8b shapes")
+    print(f"(H={H}, H_kv={H_KV}, D={D}, {DTYPE}, block {BS}, shuffled block tables)\n")
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), "
+          f"bf16 matmul 8192^3 {matmul / 1e12:.0f} TFLOP/s\n")  # fmt: skip
+    print("### decode (one token per sequence, all at the same context)\n")
+    print("\n".join(decode))
+    print("\n### prefill (one sequence; causal pairs counted)\n")
+    print("\n".join(prefill))
+    print(f"\nchecks: {'all passed' if not failures else 'FAILED: ' + '; '.join(failures)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The persistent input batch of decode steps: per-row inputs kept on the device.
+
+A decode step has one token per sequence. Row i of the step is sequence i of the batch;
+its inputs live in preallocated device buffers that a CUDA graph can read, so a step
+uploads only what changed since the last one:
+
+    tokens  [4, R] int64   rows: input id, position, slot, context length
+    tables  [R, max_blocks] int32   block tables (row-major, padded with 0)
+
+`tokens` is rewritten each step (4 × B ints: one pinned host → device copy). Block tables
+are updated by diffs: a row that held the same sequence (`seq_id`) under the same block
+table epoch last step gets only the block ids past the ones it has (usually none, one
+every block_size steps); any other row is rewritten. The diffs of all rows go up as one
+[3, K] tensor (row, column, id) and land with one scatter.
+
+Rows [B, bucket) of a CUDA-graph bucket are padding: token 0 at position 0, writing its
+K/V to the layout's scratch slot, context length 0 (attention writes zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ds4pool.model.attention import AttentionMetadata
+from ds4pool.model.kv_layout import KVLayout
+
+IDS, POSITIONS, SLOTS, CONTEXT = range(4)
+
+
+@dataclass
+class _Row:
+    seq_id: int
+    epoch: int
+    num_blocks: int  # block ids of the table already on the device
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """What the input batch needs of one decoding sequence (ids and counts)."""
+
+    token_id: int
+    position: int  # = number of tokens already in the cache
+    block_table: Sequence[int]
+    seq_id: int | None = None  # None: no identity, the row is rewritten every step
+    table_epoch: int = 0
+
+
+class InputBatch:
+    def __init__(
+        self,
+        layout: KVLayout,
+        max_rows: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        index_dtype: torch.dtype,
+        sliding_window: int | None,
+    ) -> None:
+        self.layout = layout
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks_per_seq
+        self.device = device
+        self.sliding_window = sliding_window
+        pin = device.type == "cuda"
+        self.tokens = torch.zeros((4, max_rows), dtype=torch.int64, device=device)
+        self._staging = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin)
+        self.tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=index_dtype, device=device)
+        self.context_lens = torch.zeros(max_rows, dtype=index_dtype, device=device)
+        self.arange = torch.arange(max_rows, dtype=torch.int64, device=device)
+        self._rows: list[_Row | None] = [None] * max_rows
+        self.uploaded_block_ids = 0  # counts diffs sent (tests and benchmarks read it)
+
+    def load(self, rows: Sequence[DecodeRow], bucket: int) -> int:
+        """Put `rows` in rows [0, len(rows)), pad to `bucket`; returns the largest context."""
+        n = len(rows)
+        assert 0 < n <= bucket <= self.max_rows, (n, bucket, self.max_rows)
+        bs = self.layout.block_size
+        host = self._staging
+        ids, pos, slots, ctx = [], [], [], []
+        d_rows: list[int] = []
+        d_cols: list[int] = []
+        d_vals: list[int] = []
+        for i, r in enumerate(rows):
+            table = r.block_table[: self.max_blocks]  # blocks past the model's context: unused
+            ids.append(r.token_id)
+            pos.append(r.position)
+            slots.append(table[r.position // bs] * bs + r.position % bs)
+            ctx.append(r.position + 1)
+            have = self._rows[i]
+            start = 0
+            if (
+                have is not None
+                and r.seq_id is not None
+                and have.seq_id == r.seq_id
+                and have.epoch == r.table_epoch
+                and have.num_blocks <= len(table)
+            ):
+                start = have.num_blocks
+            new = table[start:]
+            if new:
+                d_rows.extend([i] * len(new))
+                d_cols.extend(range(start, len(table)))
+                d_vals.extend(new)
+            self._rows[i] = None if r.seq_id is None else _Row(r.seq_id, r.table_epoch, len(table))
+        pad = bucket - n
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [self.layout.scratch_slot] * pad
+        ctx += [0] * pad
+        host[:, :bucket] = torch.tensor([ids, pos, slots, ctx], dtype=torch.int64)
+        self.tokens[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
+        self.context_lens[:bucket].copy_(self.tokens[CONTEXT, :bucket])
+        if d_vals:
+            diff = torch.tensor([d_rows, d_cols, d_vals], dtype=torch.int64)
+            diff = diff.to(self.device, non_blocking=True)
+            self.tables[diff[0], diff[1]] = diff[2].to(self.tables.dtype)
+            self.uploaded_block_ids += len(d_vals)
+        for i in range(n, bucket):
+            self._rows[i] = None  # padding rows' tables are never read (context 0)
+        return max(ctx[:n])
+
+    def metadata(
+        self, bucket: int, max_context: int | None, width: int | None = None
+    ) -> AttentionMetadata:
+        """Decode metadata over rows [0, bucket) of the buffers and the first `width` block
+        columns (default: enough for `max_context`, the step's largest context)."""
+        bs = self.layout.block_size
+        if width is None:
+            assert max_context is not None
+            width = -(-max_context // bs)
+        rows = self.arange[:bucket]
+        return AttentionMetadata(
+            positions=self.tokens[POSITIONS, :bucket],
+            slot_mapping=self.tokens[SLOTS, :bucket],
+            block_tables=self.tables[:bucket, :width],
+            context_lens=self.context_lens[:bucket],
+            decode_rows=rows,
+            decode_tokens=rows,
+            max_decode_blocks=max(1, width),
+            prefills=(),
+            block_size=bs,
+            sliding_window=self.sliding_window,
+            query_start=None,
+            max_query_len=1,
+            decode_only=True,
+        )
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [R] int64
+        return self.tokens[IDS]

@@ -1,0 +1,152 @@
+"""The Triton paged-attention kernels under Triton's CPU interpreter, against a float64 oracle.
+
+TRITON_INTERPRET=1 only takes effect if it is set before the kernels are decorated, so the
+cases run in one child interpreter (this file run as a script) and report one JSON line each;
+the parent asserts per case. Skipped where triton is not installed (it is not in the test
+extras: ~1 GB installed) or where its interpreter cannot run (triton < 3.9 with numpy >= 2.4).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "decode" (one query token per row) or "prefill"
+    context_lens: list[int]
+    query_lens: list[int] | None = None  # None: one token per row
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    block_size: int = 16
+    block_n: int = 16
+    block_m: int = 32  # prefill only
+    partition_size: int = 512  # decode only
+    window: int | None = None
+    strided_q: bool = False  # q as a slice of a wider (fused qkv-like) buffer
+
+
+CASES: dict[str, Case] = {
+    # split-K: P = ceil(7 blocks * 16 / 32) = 4 partitions, ragged lengths, a padding row
+    "decode_g1_d64_splitk": Case("decode", [1, 17, 40, 0, 100], heads=2, partition_size=32),
+    "decode_g4_d128_splitk_tiles": Case(
+        "decode", [5, 77, 130], head_dim=128, block_n=32, partition_size=64, strided_q=True
+    ),
+    # more partitions (19) than the reduce kernel's chunk of 16
+    "decode_reduce_chunks": Case("decode", [300, 2, 161], heads=4, partition_size=16),
+    # one partition: the main kernel writes the output itself (incl. zeros for context 0)
+    "decode_g8_bs32_direct": Case("decode", [33, 0, 64, 91], kv_heads=1, block_size=32, block_n=64),
+    "decode_window_splitk": Case(
+        "decode", [1, 20, 50, 97, 0], heads=4, kv_heads=1, partition_size=32, window=24
+    ),
+    "decode_window_direct": Case("decode", [7, 45, 60], heads=4, kv_heads=1, block_n=32, window=20),
+    # prompts, a chunk after a cached prefix, decode rows mixed in (q_len 1)
+    "prefill_g4_mixed": Case("prefill", [1, 37, 20, 50], [1, 5, 20, 1], strided_q=True),
+    "prefill_g1_d128_bs32": Case(
+        "prefill", [17, 70], [17, 3], heads=2, head_dim=128, block_size=32, block_m=16, block_n=32
+    ),
+    "prefill_g8_window": Case("prefill", [40, 25, 30], [12, 1, 30], kv_heads=1, window=10),
+}
+
+
+def _run_case(name: str) -> dict:
+    import torch
+
+    from ds4pool.model.kernels import triton_attention as ta
+    from tests.paged_cases import make_case, reference, rel_err
+
+    c = CASES[name]
+    q_lens = c.query_lens or [1] * len(c.context_lens)
+    layout = dict(heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, block_size=c.block_size)
+    case = make_case(q_lens, c.context_lens, **layout, seed=len(name))
+    q = case.q
+    if c.strided_q:  # row stride != H * D
+        wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2])
+        wide[:, : q.shape[1]] = q
+        q = wide[:, : q.shape[1]]
+    out = torch.full_like(case.q, float("nan"))  # unwritten elements stay NaN
+    k_cache, v_cache = case.cache[0], case.cache[1]
+    if c.kind == "decode":
+        ta.paged_decode(
+            q, k_cache, v_cache, case.block_tables, case.context_lens, case.scale, out,
+            sliding_window=c.window, partition_size=c.partition_size,
+            launch=ta.DecodeLaunch(block_n=c.block_n),
+        )  # fmt: skip
+    else:
+        ta.paged_prefill(
+            q, k_cache, v_cache, case.block_tables, case.query_start, case.context_lens,
+            max(q_lens), case.scale, out, sliding_window=c.window,
+            launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
+        )  # fmt: skip
+    ref = reference(case, c.window)
+    empty_rows = [i for i, n in enumerate(c.context_lens) if n == 0]
+    return {
+        "name": name,
+        "rel": rel_err(out, ref),
+        "finite": bool(torch.isfinite(out).all()),
+        "empty_zero": bool((out[empty_rows] == 0).all()) if empty_rows else True,
+    }
+
+
+def _interpreter_works() -> bool:
+    from importlib.metadata import version
+
+    import numpy
+
+    def major_minor(v: str) -> tuple[int, int]:
+        return tuple(int(x) for x in v.split(".")[:2])  # type: ignore[return-value]
+
+    return major_minor(version("triton")) >= (3, 9) or major_minor(numpy.__version__) < (2, 4)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if not _interpreter_works():
+        pytest.skip("triton < 3.9's interpreter fails on numpy >= 2.4 (int() of a 1-d array)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    return {r["name"]: r for r in lines}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_float64_oracle(results: dict[str, dict], name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["finite"], "an output element was left unwritten (NaN) or overflowed"
+    assert r["empty_zero"], "rows with context 0 must come back as zeros"
+    assert r["rel"] < 1e-4, r
+
+
+def main() -> None:
+    import traceback
+
+    import torch
+
+    torch.set_num_threads(1)
+    for name in CASES:
+        try:
+            print(json.dumps(_run_case(name)), flush=True)
+        except Exception:  # report the case, keep checking the others
+            print(json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
