@@ -171,12 +171,25 @@ def apply_token_bitmask(
     host = torch.stack(masks)  # [M, W]
     assert host.shape[1] * 32 >= num_vocab, (host.shape, num_vocab)
     device = logits.device
-    if device.type == "cuda":
-        host = host.pin_memory()
-    words = host.to(device, non_blocking=True)
     index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    # [M, W, 32] bits → [M, W * 32] → the first V columns; the sign bit reads as 1 too
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :num_vocab]
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, index, masked)
+    sub = logits.index_select(0, index)  # [M, V]
+    if device.type == "cpu":
+        # xgrammar's C++ loop: ~3x faster here than the tensor ops (which expand to [M, V])
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(sub, host, vocab_size=num_vocab)
+    else:
+        words = host.pin_memory().to(device, non_blocking=True)
+        sub.masked_fill_(forbidden_tokens(words, num_vocab), float("-inf"))
+    return logits.index_copy(0, index, sub)
+
+
+# bit b of a word, as int32 (bit 31 is the sign bit)
+_BITS = [1 << b if b < 31 else -(1 << 31) for b in range(32)]
+
+
+def forbidden_tokens(words: torch.Tensor, num_vocab: int) -> torch.Tensor:
+    """bool [M, V], True where the bitmask words [M, W] clear the token's bit (elementwise
+    tensor ops on the words' device: no host sync, no custom kernel to compile)."""
+    bits = torch.tensor(_BITS, dtype=torch.int32).to(words.device, non_blocking=True)
+    return (words.unsqueeze(-1) & bits).eq(0).flatten(1)[:, :num_vocab]  # [M, W, 32] → [M, V]

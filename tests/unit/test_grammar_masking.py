@@ -9,7 +9,7 @@ import torch
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo import init_random_
-from ds4pool.model.grammar import apply_token_bitmask
+from ds4pool.model.grammar import apply_token_bitmask, forbidden_tokens
 from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.runner import ModelRunner, SeqInput
 from ds4pool.model.sampler import GREEDY, SamplingParams
@@ -122,3 +122,15 @@ def test_apply_bitmask_on_padded_vocab() -> None:
     assert torch.equal(logits, before)  # the input is not modified
     assert torch.equal(out[:2], before[:2])
     assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [0, 64]
+
+
+def test_device_path_agrees_with_xgrammar_kernel() -> None:
+    """The tensor-op path CUDA uses gives the mask xgrammar's CPU kernel gives."""
+    xgr = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (4, 10), dtype=torch.int32, generator=g)
+    logits = torch.randn(4, VOCAB, generator=g)
+    reference = logits.clone()
+    xgr.apply_token_bitmask_inplace(reference, words, vocab_size=VOCAB)
+    ours = logits.masked_fill(forbidden_tokens(words, VOCAB), float("-inf"))
+    assert torch.equal(ours, reference)
