@@ -133,10 +133,15 @@ class GrammarState:
         # [1, W] host buffer, refilled before every step that samples this sequence; the
         # runner copies it out during that step, before the next fill.
         self.bitmask = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
+        self.dead_end = False
 
-    def fill(self) -> torch.Tensor:
-        """The next token's bitmask [W] (a view of the reused buffer)."""
-        self._matcher.fill_next_token_bitmask(self.bitmask)
+    def fill(self) -> torch.Tensor | None:
+        """The next token's bitmask [W] (a view of the reused buffer), or None when every
+        token is allowed (nothing to mask). Sets `dead_end` when no token is allowed (an
+        unsatisfiable schema): the request must end, a fully masked row cannot sample."""
+        if not self._matcher.fill_next_token_bitmask(self.bitmask):
+            return None
+        self.dead_end = not bool(self.bitmask.any())
         return self.bitmask[0]
 
     def accept(self, token: int) -> bool:

@@ -268,6 +268,13 @@ class Scheduler:
         assert seq.session is not None and seq.session.block_table is not None
         start = seq.num_computed
         sample = start + n == seq.num_tokens
+        bitmask = seq.grammar.fill() if sample and seq.grammar else None
+        if seq.grammar is not None and seq.grammar.dead_end:
+            error = (
+                "the requested output format (response_format, tool_choice) allows no next token"
+            )
+            self._finish(seq, "error", error=error, error_type="invalid_request")
+            return
         table = seq.session.block_table
         step.seqs.append(seq)
         step.counts.append(n)
@@ -282,7 +289,7 @@ class Scheduler:
                 sampling=seq.req.sampling,
                 seed=seq.seed,
                 output_token_ids=list(seq.output_ids),
-                token_bitmask=seq.grammar.fill() if sample and seq.grammar else None,
+                token_bitmask=bitmask,
             )
         )
         with self.lock:
@@ -306,7 +313,10 @@ class Scheduler:
             reason = seq.append(token, self.eos_ids)
             assert seq.last_token_at is not None
             self.observer.token(seq, first, seq.last_token_at - (seq.arrival if first else prev))
-            if reason:
+            if reason == "error":  # the grammar rejected a sampled token: a masking bug
+                error = f"sampled token {token} is outside the output grammar"
+                self._finish(seq, "error", error=error, error_type="internal")
+            elif reason:
                 self._finish(seq, reason, token_ids=(token,) if token not in self.eos_ids else ())
             else:
                 seq.stream.push(seq.event((token,), None))

@@ -78,13 +78,14 @@ class Seq:
             self.grammar = GrammarState(self.req.constraint, vocab_size)
 
     def append(self, token: int, eos_ids: frozenset[int]) -> str | None:
-        """Record a sampled token; return a finish reason if the request is done."""
+        """Record a sampled token; return a finish reason if the request is done ("error":
+        the output grammar rejects the token, which the mask should have prevented)."""
         now = time.monotonic()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         if self.grammar is not None:
-            accepted = self.grammar.accept(token)
-            assert accepted, f"token {token} sampled against the grammar's mask"
+            if not self.grammar.accept(token):
+                return "error"
             if self.grammar.terminated:  # a stop token where the grammar may end
                 return "stop"
         elif token in eos_ids and not self.req.ignore_eos:

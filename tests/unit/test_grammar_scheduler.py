@@ -150,3 +150,19 @@ def test_forced_tool_call_in_the_demo_template_format(loaded: LoadedModel, engin
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
     call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     assert call["name"] == "grep" and set(call["arguments"]) == {"pattern"}
+
+
+def test_unsatisfiable_grammar_fails_alone(loaded: LoadedModel, engine: Engine) -> None:
+    """A pattern that matches nothing compiles, then leaves no token to sample after the
+    opening quote: that request ends with an invalid_request error, its batch goes on."""
+    spec = json_schema_spec({"type": "string", "pattern": "[^\\s\\S]"}, "schema")
+    dead = Request(
+        prompt_text=prompt(loaded, 0), max_tokens=20, constraint=engine.compile_constraint(spec)
+    )
+    free = Request(prompt_text=prompt(loaded, 1), max_tokens=20)
+    streams = [engine.submit(dead), engine.submit(free)]
+    text, _, final = streams[0].collect(timeout=60)
+    assert final.finish_reason == "error" and final.error_type == "invalid_request"
+    assert "allows no next token" in (final.error or "")
+    _, ids, final = streams[1].collect(timeout=60)
+    assert final.error is None and len(ids) == 20
