@@ -15,6 +15,7 @@ from ds4pool.api.errors import ApiError
 from ds4pool.api.schemas import ChatCompletionRequest, MessagesRequest
 from ds4pool.engine import Engine
 from ds4pool.model.grammar import Constraint, GrammarError, GrammarSpec
+from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.constraints import (
     ConstraintError,
     FunctionTool,
@@ -44,7 +45,7 @@ async def constrain(engine: Engine, build: Callable[[], GrammarSpec | None]) -> 
 
 
 def tool_spec(
-    engine: Engine,
+    tokenizer: Tokenizer,
     choice: str,
     tools: list[FunctionTool],
     *,
@@ -54,7 +55,6 @@ def tool_spec(
 ) -> GrammarSpec | None:
     """The spec for a normalised tool choice: "auto", "none", "required" or "function"
     (with `name`). Shared by chat completions, Responses and Anthropic messages."""
-    tokenizer = engine.tokenizer
     fmt = detect_tool_format(tokenizer.chat_template(bool(tools)))
     if choice == "none":
         return no_tool_call_spec(fmt, param) if tools else None
@@ -111,13 +111,13 @@ def _chat_choice(value: str | dict[str, Any] | None) -> tuple[str, str | None]:
     )
 
 
-def chat_spec(engine: Engine, data: ChatCompletionRequest) -> GrammarSpec | None:
+def chat_spec(tokenizer: Tokenizer, data: ChatCompletionRequest) -> GrammarSpec | None:
     """A chat completion's constraint: a forced tool call wins over response_format (a
     turn that calls a tool has no content to format)."""
     choice, name = _chat_choice(data.tool_choice)
     single = data.parallel_tool_calls is False
     tools = parse_tools(data.tools) if choice != "auto" or single else []
-    spec = tool_spec(engine, choice, tools, name=name, parallel=not single)
+    spec = tool_spec(tokenizer, choice, tools, name=name, parallel=not single)
     if choice in ("auto", "none") and (fmt_spec := response_format_spec(data.response_format)):
         spec = fmt_spec
     return spec
@@ -130,7 +130,7 @@ async def chat_constraint(engine: Engine, data: ChatCompletionRequest) -> Constr
         and not (data.parallel_tool_calls is False and data.tools)
     ):
         return None  # the common case pays no thread hop
-    return await constrain(engine, lambda: chat_spec(engine, data))
+    return await constrain(engine, lambda: chat_spec(engine.tokenizer, data))
 
 
 def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
@@ -152,7 +152,7 @@ def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
     return out
 
 
-def messages_spec(engine: Engine, data: MessagesRequest) -> GrammarSpec | None:
+def messages_spec(tokenizer: Tokenizer, data: MessagesRequest) -> GrammarSpec | None:
     """Anthropic's tool_choice: auto | any | tool (with name) | none, and
     disable_parallel_tool_use."""
     value = data.tool_choice
@@ -166,10 +166,71 @@ def messages_spec(engine: Engine, data: MessagesRequest) -> GrammarSpec | None:
         raise ConstraintError("tool_choice.name is required for type tool", "tool_choice.name")
     parallel = not value.get("disable_parallel_tool_use", False)
     tools = _anthropic_tools(data.tools)
-    return tool_spec(engine, names[kind], tools, name=name, parallel=parallel)
+    return tool_spec(tokenizer, names[kind], tools, name=name, parallel=parallel)
 
 
 async def messages_constraint(engine: Engine, data: MessagesRequest) -> Constraint | None:
     if data.tool_choice is None:
         return None
-    return await constrain(engine, lambda: messages_spec(engine, data))
+    return await constrain(engine, lambda: messages_spec(engine.tokenizer, data))
+
+
+# ------------------------------------------------------------------ Responses API helpers
+
+
+def text_format_spec(value: object) -> GrammarSpec | None:
+    """The Responses API's text.format: {"type": "text"}, {"type": "json_object"} or
+    {"type": "json_schema", "name": ..., "schema": {...}, "strict": ...} (flat, unlike chat)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_object_spec("text.format")
+    if kind == "json_schema" and isinstance(value, dict):
+        if not isinstance(value.get("name"), str):
+            raise ConstraintError(
+                "text.format.name is required for json_schema", "text.format.name"
+            )
+        return json_schema_spec(value.get("schema", {}), "text.format.schema")
+    raise ConstraintError(
+        "text.format.type must be one of text, json_object, json_schema", "text.format.type"
+    )
+
+
+def responses_spec(
+    tokenizer: Tokenizer,
+    text_format: object,
+    tool_choice: object,
+    tools: list[dict[str, Any]] | None,
+    parallel_tool_calls: bool | None = None,
+) -> GrammarSpec | None:
+    """A Responses request's constraint. `tools`: the function tools in chat-completions
+    shape ({"type": "function", "function": {...}}); tool_choice "none" | "auto" | "required"
+    | {"type": "function", "name": X}. A forced call wins over text.format."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    choice, name = _chat_choice(tool_choice)  # type: ignore[arg-type]
+    single = parallel_tool_calls is False
+    parsed = parse_tools(tools) if choice != "auto" or single else []
+    spec = tool_spec(tokenizer, choice, parsed, name=name, parallel=not single)
+    if choice in ("auto", "none") and (fmt_spec := text_format_spec(text_format)):
+        spec = fmt_spec
+    return spec
+
+
+async def responses_constraint(
+    engine: Engine,
+    text_format: object,
+    tool_choice: object,
+    tools: list[dict[str, Any]] | None,
+    parallel_tool_calls: bool | None = None,
+) -> Constraint | None:
+    """responses_spec, built and compiled off the event loop (400s name the field)."""
+    return await constrain(
+        engine,
+        lambda: responses_spec(
+            engine.tokenizer, text_format, tool_choice, tools, parallel_tool_calls
+        ),
+    )
