@@ -2,8 +2,8 @@
 
 Decode-only steps (one query per sequence) use the split-K decode kernel; every other step
 (prompt chunks, mixed with decodes) uses the varlen prefill kernel, which reads the cached
-prefix from the blocks in place. K/V are written by slot mapping (one index_copy_ per
-tensor) before either kernel runs. Both kernels size their grids from tensor shapes only,
+prefix from the blocks in place. K/V are written by slot mapping (one fused kernel for
+both) before either kernel runs. Both kernels size their grids from tensor shapes only,
 so a decode step over persistent buffers can be captured in a CUDA graph
 (ds4pool/model/cuda_graphs.py) and replayed with new values.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4pool.model.attention import AttentionMetadata, write_kv
+from ds4pool.model.attention import AttentionMetadata
 
 
 def triton_available() -> bool:
@@ -29,9 +29,22 @@ class TritonPagedAttention:
     index_dtype = torch.int32
 
     def __init__(self) -> None:
-        from ds4pool.model.kernels import triton_attention
+        from ds4pool.model.kernels import triton_attention, triton_fused
 
         self._k = triton_attention
+        self._store_kv = triton_fused.store_kv
+        self._sms = torch.cuda.get_device_properties(
+            torch.cuda.current_device()
+        ).multi_processor_count
+
+    def partition_size(self, batch: int, num_kv_heads: int, width_tokens: int) -> int:
+        """Split-K partition for a decode launch, from shapes only (graph safe): split a
+        row's context only as far as needed to give every SM a program, and never below
+        1,024 tokens (a split costs a reduce launch; short contexts are latency-bound)."""
+        programs = batch * num_kv_heads
+        splits = max(1, -(-self._sms // programs))
+        size = -(-width_tokens // splits)
+        return max(1024, -(-size // 64) * 64)
 
     def forward(
         self,
@@ -42,7 +55,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
-        write_kv(cache, k, v, meta.slot_mapping)
+        self._store_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_only:
             self._k.paged_decode(
@@ -54,6 +67,9 @@ class TritonPagedAttention:
                 scale,
                 out,
                 sliding_window=meta.sliding_window,
+                partition_size=self.partition_size(
+                    q.shape[0], k.shape[1], meta.block_tables.shape[1] * meta.block_size
+                ),
             )
         else:
             assert meta.query_start is not None

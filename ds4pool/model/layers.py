@@ -7,6 +7,7 @@ in float32 cast to the activation dtype) so fp32 logits match it to ~1e-6.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,11 +56,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """`ops` (ds4pool/model/ops.py) may fuse silu(gate) * up; None: plain torch."""
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -7,12 +7,15 @@ H_kv = key/value heads, D = head_dim, E = hidden size, V = vocab.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from ds4pool.model.config import ModelConfig
-from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, fuse_linears
+from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
+from ds4pool.model.ops import TorchOps
 
 
 class LlamaAttention(nn.Module):
@@ -47,9 +50,10 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, E]
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Any,
         cache: torch.Tensor,
         meta: AttentionMetadata,
+        ops: TorchOps,
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_proj is not None:
@@ -61,9 +65,8 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = ops.rms_norm(self.q_norm, q), ops.rms_norm(self.k_norm, k)
+        q, k = ops.rotary(q, k, rope)
         out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
 
@@ -78,13 +81,20 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,  # [T, E] input_layernorm(residual), done by the caller
+        residual: torch.Tensor,  # [T, E] the residual stream before this layer
+        next_norm: RMSNorm,  # the next layer's input norm, or the final norm
+        rope: Any,
         cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next_norm(residual'), residual') where residual' is the stream after this layer:
+        each residual add is fused with the norm that reads it."""
+        a = self.self_attn(h, rope, cache, meta, ops)
+        residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
+        residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        return h, residual
 
 
 class LlamaModel(nn.Module):
@@ -106,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.ops: TorchOps = TorchOps()
         self.model = LlamaModel(cfg, backend or TorchPagedAttention())
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -117,16 +128,22 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, N_blocks, block_size, H_kv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(meta.positions, x.dtype)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, cache, meta)
-        return self.model.norm(x)
+        ops = self.ops
+        layers = self.model.layers
+        residual = self.model.embed_tokens(input_ids)
+        rope = ops.rope(self.model.rotary_emb, meta.positions, residual.dtype)
+        h = ops.rms_norm(layers[0].input_layernorm, residual)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, cache, next_norm in zip(layers, kv_caches, norms):
+            h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)
 
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
+    def set_attention_backend(self, backend: AttentionBackend, ops: TorchOps) -> None:
+        """The runner's choice: paged attention and the elementwise kernels that go with it."""
+        self.ops = ops
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 

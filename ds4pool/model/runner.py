@@ -27,6 +27,7 @@ from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
+from ds4pool.model.ops import TorchOps, TritonOps
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
 
@@ -101,7 +102,7 @@ class ModelRunner:
         self.backend = select_backend(backend, self.device)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
-            set_backend(self.backend)
+            set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.batch = InputBatch(

@@ -1,0 +1,159 @@
+"""Split-K paged decode: per-partition kernel and log-sum-exp reduce (see triton_attention)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    num_parts,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    # visible keys of this program: [max(p_start, lo), p_end)
+    p_start = part * PARTITION
+    p_end = tl.minimum(p_start + PARTITION, ctx)
+    first = tl.maximum(p_start, lo)
+    if SPLIT:
+        # the reduce kernel skips these partitions by the same test; with one partition the
+        # program owns the output row and writes zeros for an empty context instead
+        if p_end <= first:
+            return
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    d_mask = d < D
+    heads = kv_head * G + g  # [G_PAD]
+    row_mask = (g < G)[:, None] & d_mask[None, :]  # [G_PAD, D_PAD]
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0
+    )  # [G_PAD, D_PAD]
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    table_row = tables_ptr + b * stride_tb
+    # start at the tile holding `first`; p_start is a multiple of BLOCK_N, so this stays >= it
+    for t0 in range((first // BLOCK_N) * BLOCK_N, p_end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = (t >= first) & (t < p_end)  # [BLOCK_N]
+        k = load_kv_tile(
+            k_ptr, table_row, t, valid, kv_head, stride_kn, stride_kt, stride_kh, d, d_mask, BS
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = load_kv_tile(
+            v_ptr, table_row, t, valid, kv_head, stride_vn, stride_vt, stride_vh, d, d_mask, BS
+        )
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, PRECISION)
+
+    if not SPLIT:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        # every tile saw >= 1 visible key, so l_i > 0 on the real head rows
+        o = acc / l_i[:, None]
+        lse = m_i + tl.log2(l_i)  # [G_PAD], log2 units
+        slot = (b * H + heads) * num_parts + part  # [G_PAD] into [B, H, P]
+        tl.store(part_out_ptr + slot[:, None] * D + d[None, :], o, mask=row_mask)
+        tl.store(part_lse_ptr + slot, lse, mask=g < G)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    lens_ptr,
+    out_ptr,
+    window,
+    stride_ob,
+    stride_oh,
+    num_parts,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PARTITION: tl.constexpr,
+    P_CHUNK: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(lens_ptr + b)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    base = (b * H + h) * num_parts
+    # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
+    # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials
+    top_c = tl.full([P_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_parts, P_CHUNK):
+        p = c + tl.arange(0, P_CHUNK)
+        # partition p ran iff [p * PARTITION, (p + 1) * PARTITION) meets [lo, ctx)
+        ran = (p < num_parts) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
+        lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))
+        top_c = tl.maximum(top_c, lse)
+    top = tl.max(top_c, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+
+    d = tl.arange(0, D_PAD)
+    d_mask = d < D
+    acc = tl.zeros([D_PAD], tl.float32)
+    total = tl.zeros([P_CHUNK], tl.float32)
+    for c in range(0, num_parts, P_CHUNK):
+        p = c + tl.arange(0, P_CHUNK)
+        ran = (p < num_parts) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
+        lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))
+        w = tl.where(ran, tl.exp2(lse - top), 0.0)  # [P_CHUNK]
+        o = tl.load(
+            part_out_ptr + (base + p)[:, None] * D + d[None, :],
+            mask=ran[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [P_CHUNK, D_PAD]
+        acc += tl.sum(w[:, None] * o, 0)
+        total += w
+    denom = tl.sum(total, 0)
+    res = acc / tl.where(denom > 0.0, denom, 1.0)  # an empty context (padding row) gives zeros
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_mask)
