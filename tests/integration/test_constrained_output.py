@@ -177,6 +177,26 @@ def test_bad_constraints_are_400s_naming_the_field(server: Server) -> None:
         ),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": 5}}},
+            "tool_choice",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": [1]},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as exc:
@@ -221,3 +241,11 @@ def test_anthropic_tool_choice_any_and_tool(server: Server) -> None:
             tool_choice={"type": "any"},
         )
     assert "nested deeper" in exc.value.body["error"]["message"]  # type: ignore[index]
+    for choice in ({"type": "weird"}, {"type": "tool"}, {"type": "any"}):
+        with pytest.raises(anthropic.BadRequestError):  # the last one: no tools given
+            c.messages.create(
+                model="demo",
+                max_tokens=5,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                tool_choice=choice,  # type: ignore[arg-type]
+            )
