@@ -19,13 +19,15 @@ from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.constraints import (
     ConstraintError,
     FunctionTool,
-    at_most_one_call_spec,
     check_schema_size,
-    detect_tool_format,
     json_object_spec,
     json_schema_spec,
-    no_tool_call_spec,
     parse_tools,
+)
+from ds4pool.output.tool_grammar import (
+    at_most_one_call_spec,
+    detect_tool_format,
+    no_tool_call_spec,
     tool_call_spec,
 )
 

@@ -1,54 +1,24 @@
-"""What a request's output must match, as GrammarSpecs for xgrammar: JSON schemas and tool calls.
+"""What a request's output must match, as GrammarSpecs for xgrammar: JSON schemas, and the
+tool definitions forced calls are built from (ds4pool.output.tool_grammar).
 
 API-neutral: the OpenAI chat, Responses and Anthropic routes translate their own fields
 (response_format, text.format, tool_choice, ...) into calls of these functions, then compile
 the spec off the event loop (Engine.compile_constraint). Errors are `ConstraintError`s naming
 the request field, for a 400 in the API's own format.
-
-Tool calls are forced in the model's own tool-call format (`detect_tool_format` reads it off
-the chat template), so the output parsers read them back as structured calls:
-
-  hermes       <tool_call>\\n{"name": "N", "arguments": {...}}\\n</tool_call>   ("\\n" between)
-  llama3_json  {"name": "N", "parameters": {...}}                              ("; " between)
-  mistral      [TOOL_CALLS][{"name": "N", "arguments": {...}}, ...]
-  deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
-               \\n```<｜tool▁call▁end｜>  ("\\n" between)  <｜tool▁calls▁end｜>
-
-Markers that are single tokens of the vocabulary are matched as that token (as the model
-writes them), others as text. Arguments JSON allows at most one whitespace character in a
-row, so output stays bounded whatever the weights do.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ds4pool.errors import Ds4poolError
 from ds4pool.model.grammar import GrammarSpec
 
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3")
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-_DS = {  # DeepSeek-V3's markers
-    "calls_begin": "<｜tool▁calls▁begin｜>",
-    "calls_end": "<｜tool▁calls▁end｜>",
-    "call_begin": "<｜tool▁call▁begin｜>",
-    "call_end": "<｜tool▁call▁end｜>",
-    "sep": "<｜tool▁sep｜>",
-}
-# the text that opens a call, per format (what tool_choice "none" forbids)
-OPENERS = {
-    "hermes": "<tool_call>",
-    "llama3_json": '{"name"',
-    "mistral": "[TOOL_CALLS]",
-    "deepseek_v3": _DS["calls_begin"],
-}
-
-IsToken = Callable[[str], bool]  # is this string one token of the vocabulary?
 # Compile time grows steeply with schema nesting (depth 200: ~2 s, 490: ~50 s on one core)
 # and with many optional properties; these bounds keep one compile well under a second.
 MAX_SCHEMA_DEPTH = 32  # nested JSON objects/arrays in one schema document
@@ -67,23 +37,6 @@ class ConstraintError(Ds4poolError):
 class FunctionTool:
     name: str
     parameters: dict[str, Any]  # a JSON Schema for the arguments object
-
-
-def detect_tool_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template writes (one of TOOL_FORMATS), None if unknown."""
-    if not chat_template:
-        return None
-    if _DS["calls_begin"] in chat_template:
-        return "deepseek_v3"
-    if "[TOOL_CALLS]" in chat_template:
-        return "mistral"
-    if "<tool_call>" in chat_template:
-        return "hermes"
-    if "<|python_tag|>" in chat_template or (
-        "ipython" in chat_template and '"parameters"' in chat_template
-    ):
-        return "llama3_json"
-    return None
 
 
 def check_schema_size(value: object, param: str, budget: int = MAX_SCHEMA_VALUES) -> int:
@@ -147,137 +100,43 @@ def json_schema_spec(schema: object, param: str) -> GrammarSpec:
     if not isinstance(schema, dict):
         raise ConstraintError(f"{param} must be a JSON Schema object", param)
     check_schema_size(schema, param)
-    return GrammarSpec("json_schema", json.dumps(schema), param)
+    return GrammarSpec("json_schema", json.dumps(bounded_strings(schema)), param)
+
+
+def bounded_strings(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy where string length bounds are a pattern: xgrammar 0.2.9 compiles
+    minLength/maxLength to a character class that lets raw control characters through,
+    which is invalid JSON (mlc-ai/xgrammar#800); its pattern path does not. Both forbid
+    escapes inside the string, so the language is otherwise the same."""
+    out: dict[str, Any] = json.loads(json.dumps(schema))
+    stack: list[object] = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        low, high = node.get("minLength", 0), node.get("maxLength", "")
+        if (
+            node.get("type") == "string"
+            and ("minLength" in node or "maxLength" in node)
+            and "pattern" not in node
+            and "format" not in node
+            and _is_count(low)
+            and (high == "" or _is_count(high))
+        ):
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
+            node["pattern"] = f"^.{{{low},{high}}}$"
+    return out
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def json_object_spec(param: str) -> GrammarSpec:
     """Output is one JSON object (any keys)."""
     return GrammarSpec("json_object", "", param)
-
-
-def tool_call_spec(
-    fmt: str | None,
-    tools: list[FunctionTool],
-    is_token: IsToken,
-    *,
-    name: str | None = None,
-    parallel: bool = True,
-    param: str = "tool_choice",
-) -> GrammarSpec:
-    """Output is one (parallel=False) or more tool calls in `fmt`, of `tools` or only of
-    the tool `name`, arguments per its parameters schema; then the end of the turn."""
-    if fmt not in TOOL_FORMATS:
-        raise ConstraintError(
-            f"{param}: this model's chat template has no tool-call format ds4pool can force",
-            param,
-        )
-    if not tools:
-        raise ConstraintError(f"{param} requires tools to call; none were given", param)
-    if name is not None:
-        tools = [t for t in tools if t.name == name]
-        if not tools:
-            raise ConstraintError(f"{param}: no tool named {name!r} in tools", param)
-    lit = _literal(is_token)
-    one = _or([_CALLS[fmt](t, lit) for t in tools])
-    sep = {"hermes": "\n", "llama3_json": "; ", "mistral": ", ", "deepseek_v3": "\n"}[fmt]
-    calls = _seq([one, {"type": "star", "content": _seq([_const(sep), one])}]) if parallel else one
-    if fmt == "mistral":
-        calls = _seq([*lit("[TOOL_CALLS]"), _const("["), calls, _const("]")])
-    elif fmt == "deepseek_v3":
-        calls = _seq([*lit(_DS["calls_begin"]), calls, *lit(_DS["calls_end"])])
-    return _tag(calls, param)
-
-
-def no_tool_call_spec(fmt: str | None, param: str = "tool_choice") -> GrammarSpec | None:
-    """tool_choice "none": any text that never opens a tool call (None: nothing to forbid)."""
-    if fmt not in TOOL_FORMATS or fmt == "llama3_json":  # its opener is ordinary JSON text
-        return None
-    return _tag({"type": "any_text", "excludes": [OPENERS[fmt]]}, param)
-
-
-def at_most_one_call_spec(
-    fmt: str | None, tools: list[FunctionTool], param: str = "parallel_tool_calls"
-) -> GrammarSpec:
-    """tool_choice "auto" without parallel calls: free text, then at most one call (its
-    arguments per schema), then the end of the turn."""
-    if fmt not in ("hermes", "llama3_json"):  # the others open calls with special tokens
-        raise ConstraintError(
-            f"{param}: false is supported only with a forced tool_choice for this model", param
-        )
-    heads = {"hermes": ('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>")}
-    heads["llama3_json"] = ('{{"name": {}, "parameters": ', "}")
-    head, end = heads[fmt]
-    tags = [
-        {"type": "tag", "begin": head.format(json.dumps(t.name)), "content": _args(t), "end": end}
-        for t in tools
-    ]
-    fmt_tags = {"type": "triggered_tags", "triggers": [OPENERS[fmt]], "tags": tags}
-    return _tag({**fmt_tags, "stop_after_first": True}, param)
-
-
-# ------------------------------------------------------------------ structural-tag pieces
-
-Format = dict[str, Any]
-
-
-def _const(text: str) -> Format:
-    return {"type": "const_string", "value": text}
-
-
-def _seq(elements: list[Format]) -> Format:
-    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
-
-
-def _or(elements: list[Format]) -> Format:
-    return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
-
-
-def _args(tool: FunctionTool) -> Format:
-    return {"type": "json_schema", "json_schema": tool.parameters, "max_whitespace_cnt": 1}
-
-
-def _literal(is_token: IsToken) -> Callable[[str], list[Format]]:
-    def lit(marker: str) -> list[Format]:
-        return [{"type": "token", "token": marker} if is_token(marker) else _const(marker)]
-
-    return lit
-
-
-def _hermes(t: FunctionTool, lit: Callable[[str], list[Format]]) -> Format:
-    head = _const(f'\n{{"name": {json.dumps(t.name)}, "arguments": ')
-    return _seq([*lit("<tool_call>"), head, _args(t), _const("}\n"), *lit("</tool_call>")])
-
-
-def _llama3(t: FunctionTool, lit: Callable[[str], list[Format]]) -> Format:
-    del lit
-    head = _const(f'{{"name": {json.dumps(t.name)}, "parameters": ')
-    return _seq([head, _args(t), _const("}")])
-
-
-def _mistral(t: FunctionTool, lit: Callable[[str], list[Format]]) -> Format:
-    del lit
-    head = _const(f'{{"name": {json.dumps(t.name)}, "arguments": ')
-    return _seq([head, _args(t), _const("}")])
-
-
-def _deepseek(t: FunctionTool, lit: Callable[[str], list[Format]]) -> Format:
-    return _seq(
-        [
-            *lit(_DS["call_begin"]),
-            _const("function"),
-            *lit(_DS["sep"]),
-            _const(f"{t.name}\n```json\n"),
-            _args(t),
-            _const("\n```"),
-            *lit(_DS["call_end"]),
-        ]
-    )
-
-
-_CALLS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "deepseek_v3": _deepseek}
-
-
-def _tag(fmt: Format, param: str) -> GrammarSpec:
-    return GrammarSpec(
-        "structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), param
-    )

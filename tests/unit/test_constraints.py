@@ -6,12 +6,11 @@ import pytest
 
 from ds4pool.model.grammar import GrammarCache, GrammarError, GrammarSpec
 from ds4pool.model.tokenizer import Tokenizer
-from ds4pool.output.constraints import (
-    ConstraintError,
+from ds4pool.output.constraints import ConstraintError, json_schema_spec, parse_tools
+from ds4pool.output.tool_grammar import (
+    at_most_one_call_spec,
     detect_tool_format,
-    json_schema_spec,
     no_tool_call_spec,
-    parse_tools,
     tool_call_spec,
 )
 from tests.real_tokenizers import real_tokenizer_dir
@@ -130,8 +129,6 @@ def test_bad_input_names_the_field() -> None:
 
 
 def test_auto_without_parallel_calls_allows_text_then_one_call() -> None:
-    from ds4pool.output.constraints import at_most_one_call_spec
-
     tok, cache = grammars("qwen3")
     spec = at_most_one_call_spec("hermes", TOOLS)
     assert matches(cache, tok, spec, "Let me check. " + EXPECTED["hermes"])
@@ -141,3 +138,19 @@ def test_auto_without_parallel_calls_allows_text_then_one_call() -> None:
     with pytest.raises(ConstraintError) as exc:
         at_most_one_call_spec("deepseek_v3", TOOLS)
     assert exc.value.param == "parallel_tool_calls"
+
+
+def test_length_bounded_strings_stay_valid_json() -> None:
+    """maxLength alone would let a raw tab into the string (xgrammar#800): not with ours."""
+    tok, cache = grammars("qwen3")
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4}},
+    }
+    spec = json_schema_spec(schema, "schema")
+    assert matches(cache, tok, spec, '{"s": "abcd"}')
+    assert not matches(cache, tok, spec, '{"s": "a\tb"}')
+    assert not matches(cache, tok, spec, '{"s": "a"}') and not matches(
+        cache, tok, spec, '{"s": "abcde"}'
+    )
+    assert schema["properties"]["s"]["maxLength"] == 4  # the caller's schema is not modified

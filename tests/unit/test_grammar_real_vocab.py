@@ -17,7 +17,8 @@ from ds4pool.model.demo import init_random_
 from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.sampler import SamplingParams
 from ds4pool.model.tokenizer import Tokenizer
-from ds4pool.output.constraints import detect_tool_format, parse_tools, tool_call_spec
+from ds4pool.output.constraints import parse_tools
+from ds4pool.output.tool_grammar import detect_tool_format, tool_call_spec
 from ds4pool.sched.request import Request
 from tests.real_tokenizers import real_tokenizer_dir
 

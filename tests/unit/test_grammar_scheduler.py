@@ -14,7 +14,8 @@ from ds4pool.engine import Engine, EngineConfig
 from ds4pool.model.grammar import Constraint
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.sampler import SamplingParams
-from ds4pool.output.constraints import json_schema_spec, parse_tools, tool_call_spec
+from ds4pool.output.constraints import json_schema_spec, parse_tools
+from ds4pool.output.tool_grammar import tool_call_spec
 from ds4pool.sched.request import Request
 
 SCHEMA = {
