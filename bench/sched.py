@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4pool.engine import Engine, EngineConfig  # noqa: E402
+from ds4pool.engine import PREFILL_TOKENS, Engine, EngineConfig  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
@@ -304,6 +304,7 @@ def print_part1(results: dict[str, dict[int, LevelResult]], args: argparse.Names
 @dataclass
 class PrefillResult:
     max_batch_tokens: int
+    max_prefill_tokens: int
     long_ttft: float
     steps: int  # worker steps between the long prompt's submission and its first token
     during: list[float]  # decoder gaps overlapping the long prompt's prefill
@@ -344,6 +345,7 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
     gaps = [g for tr in traces for g in tr.gaps()]
     return PrefillResult(
         max_batch_tokens=engine.cfg.max_batch_tokens,
+        max_prefill_tokens=engine.scheduler.cfg.max_prefill_tokens,
         long_ttft=t_first - t_long,
         steps=steps,
         during=[b - a for a, b in gaps if b > t_long and a < t_first],
@@ -354,27 +356,38 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
 
 def part2(loaded: LoadedModel, args: argparse.Namespace) -> None:
     big = max(args.no_chunk_tokens, args.long_prompt + args.decoders)
+    mbt = args.max_batch_tokens
+    # (max_batch_tokens, max_prefill_tokens): chunks of the whole budget (no prefill cap),
+    # each cap asked for, and no chunking at all
+    configs = [(mbt, mbt)] + [(mbt, cap) for cap in args.max_prefill_tokens] + [(big, big)]
     results = []
-    for mbt in (args.max_batch_tokens, big):
+    for tokens, cap in configs:
         # one engine at a time: the long prompt's activations are the largest allocation
-        with engines(loaded, args, {"x": {"max_batch_tokens": mbt}}) as made:
+        over = {"max_batch_tokens": tokens, "max_prefill_tokens": cap}
+        with engines(loaded, args, {"x": over}) as made:
             res = run_prefill(made["x"], args)
         results.append(res)
-        log(f"max_batch_tokens {mbt:6d}: long TTFT {res.long_ttft:.2f} s, {res.steps} steps")
+        log(
+            f"max_batch_tokens {tokens:6d}, max_prefill_tokens {cap:6d}: "
+            f"long TTFT {res.long_ttft:.2f} s, {res.steps} steps"
+        )
     print(
         f"\n### Decoders' inter-token latency during a {args.long_prompt}-token prefill "
         f"({args.decoders} decoders, {args.prompt_len}-token prompts; ms)\n"
     )
     print(
-        "| max_batch_tokens | long prompt TTFT | steps during prefill | ITL p50 during "
-        "| ITL p99 during | ITL max during | tokens per decoder during | ITL p50 before |"
+        "| max_batch_tokens | max_prefill_tokens | long prompt TTFT | steps during prefill "
+        "| ITL p50 during | ITL p99 during | ITL max during | tokens per decoder during "
+        "| ITL p50 before | p99 during / p50 before |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
+        before = percentile(r.before, 50)
         print(
-            f"| {r.max_batch_tokens} | {ms(r.long_ttft)} | {r.steps} "
+            f"| {r.max_batch_tokens} | {r.max_prefill_tokens} | {ms(r.long_ttft)} | {r.steps} "
             f"| {ms(percentile(r.during, 50))} | {ms(percentile(r.during, 99))} "
-            f"| {ms(max(r.during))} | {r.tokens:.1f} | {ms(percentile(r.before, 50))} |"
+            f"| {ms(max(r.during))} | {r.tokens:.1f} | {ms(before)} "
+            f"| {percentile(r.during, 99) / before:.1f}× |"
         )
 
 
@@ -398,6 +411,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decoder-tokens", type=int, default=512, help="max_tokens of a decoder")
     ap.add_argument("--coalesce-us", type=int, default=2000)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        nargs="+",
+        help="part 2: prefill caps to compare (default: 512 on CUDA, 128 elsewhere)",
+    )
     ap.add_argument("--no-chunk-tokens", type=int, default=32768)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--kv-gb", type=float, help="device KV pool per engine (default: sized)")
@@ -417,6 +436,7 @@ def resolve(args: argparse.Namespace, loaded: LoadedModel) -> None:
         args.decoders = min(args.decoders, 4)
         args.max_batch_tokens = 256
     args.prompt_len = args.prompt_len or prompt
+    args.max_prefill_tokens = args.max_prefill_tokens or [PREFILL_TOKENS.get(kind, 128)]
     args.gen_len = args.gen_len or gen
     args.long_prompt = args.long_prompt or long
     args.vocab = min(loaded.tokenizer.vocab_size, loaded.config.vocab_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ds4pool import __version__
 from ds4pool.errors import Ds4poolError
@@ -18,7 +19,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="demo",
-        help="'demo' (default), 'random:100m', 'random:llama3-8b', or a local HF model dir",
+        help="'demo' (default), 'random:100m', 'random:llama3-8b', a local HF model dir, "
+        "or 'scripted:RULES.json'",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer directory for random:* and scripted:* models",
     )
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda[:N], mps")
     p.add_argument(

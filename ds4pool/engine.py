@@ -27,6 +27,7 @@ GB = 1 << 30
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "demo"
+    tokenizer: Path | None = None  # random:* and scripted:* only: a tokenizer directory
     device: str = "auto"
     dtype: str = "auto"
     kv_device_gb: float | None = None  # None: 2 GB on CPU/MPS, 85% of free memory on CUDA
@@ -37,6 +38,8 @@ class EngineConfig:
     kv_persist_idle_s: float = 30.0
     kv_persist_every_tokens: int = 4096
     max_batch_tokens: int = 2048
+    # Prompt tokens per step while some sequence decodes; None: PREFILL_TOKENS by device.
+    max_prefill_tokens: int | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
     no_batching: bool = False
@@ -56,11 +59,24 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_device_gb is not None and self.kv_device_gb <= 0:
             raise ValueError("kv_device_gb must be > 0")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
         for name in ("kv_ram_gb", "kv_disk_gb", "coalesce_us", "kv_persist_idle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not self.aging_s > 0:  # the queue divides by it (0 failed every step)
             raise ValueError("aging_s must be > 0")
+
+
+# Default max_prefill_tokens per device type: about what a step can prefill while decoders
+# wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
+PREFILL_TOKENS = {"cuda": 512, "cpu": 128, "mps": 128}
+
+
+def prefill_tokens(cfg: EngineConfig, device: torch.device) -> int:
+    if cfg.max_prefill_tokens is not None:
+        return cfg.max_prefill_tokens
+    return PREFILL_TOKENS.get(device.type, PREFILL_TOKENS["cpu"])
 
 
 def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:
@@ -86,7 +102,12 @@ class Engine:
             device = select_device(cfg.device)
             dtype = select_dtype(cfg.dtype, device)
             loaded = load_model(
-                cfg.model, device, dtype, show_progress=cfg.show_progress, cache_dir=cfg.cache_dir
+                cfg.model,
+                device,
+                dtype,
+                show_progress=cfg.show_progress,
+                cache_dir=cfg.cache_dir,
+                tokenizer_dir=cfg.tokenizer,
             )
         self.loaded = loaded
         num_blocks = ModelRunner.blocks_for_bytes(
@@ -118,6 +139,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_tokens=cfg.max_batch_tokens,
+                max_prefill_tokens=prefill_tokens(cfg, loaded.device),
                 max_batch_size=cfg.max_batch_size,
                 serialized=cfg.no_batching,
                 session_wait_s=cfg.session_wait_s,

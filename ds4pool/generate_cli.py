@@ -32,7 +32,13 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     device = select_device(args.device)
     dtype = select_dtype(args.dtype, device)
-    loaded = load_model(args.model, device, dtype, show_progress=sys.stderr.isatty())
+    loaded = load_model(
+        args.model,
+        device,
+        dtype,
+        show_progress=sys.stderr.isatty(),
+        tokenizer_dir=args.tokenizer,
+    )
     tok = loaded.tokenizer
     if args.chat:
         messages = [{"role": "user", "content": prompt}]

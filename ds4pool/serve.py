@@ -40,11 +40,27 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g,
         "--model",
         default="demo",
-        help="'demo', 'random:100m', 'random:llama3-8b' or a local HF model directory",
+        help="'demo', 'random:100m', 'random:llama3-8b', a local HF model directory, or "
+        "'scripted:RULES.json' (the scripted test model)",
+    )
+    _flag(
+        g,
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer directory (tokenizer.json [+ tokenizer_config.json]) for random:* and "
+        "scripted:* models (default: the demo tokenizer)",
     )
     _flag(g, "--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda[:N], mps")
     _flag(g, "--dtype", default="auto", help="auto, float32, bfloat16, float16")
     _flag(g, "--max-batch-tokens", type=int, default=2048, help="token budget per step")
+    _flag(
+        g,
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens per step while others decode (default: 512 on CUDA, 128 on CPU)",
+    )
     _flag(g, "--max-batch-size", type=int, default=64, help="sequences per step")
     _flag(
         g,
@@ -162,6 +178,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
     try:
         engine = EngineConfig(
             model=args.model,
+            tokenizer=args.tokenizer,
             device=args.device,
             dtype=args.dtype,
             kv_device_gb=args.kv_device_gb,
@@ -172,6 +189,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             kv_persist_idle_s=args.kv_persist_idle_s,
             kv_persist_every_tokens=args.kv_persist_every_tokens,
             max_batch_tokens=args.max_batch_tokens,
+            max_prefill_tokens=args.max_prefill_tokens,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             no_batching=args.no_batching,

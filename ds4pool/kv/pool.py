@@ -32,6 +32,7 @@ from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.disk import DiskEntry, DiskTier
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
+from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import (
     PrefixMatch,
@@ -216,14 +217,25 @@ class SessionPool:
                 and s.token_ids
                 and prompt_text.startswith(s.text)
             )
+            marks: list[TextMark] = []
             if via_text:
                 assert prompt_text is not None and tokenize is not None
+                marks = [*s.text_marks, (len(s.token_ids), len(s.text))]
                 ids = s.token_ids + tokenize(prompt_text[len(s.text) :])
             elif prompt_ids is not None:
                 ids = list(prompt_ids)
             else:
                 assert prompt_text is not None and tokenize is not None
-                ids = tokenize(prompt_text)
+                # The text diverged: keep the tokens up to the last boundary known to match
+                # (see kv/prefix.py), tokenize the rest.
+                n, c = resume_point(s.text_marks, s.token_ids, s.text, prompt_text)
+                marks = [(mn, mc) for mn, mc in s.text_marks if mn <= n and mc <= c]
+                if n:
+                    marks.append((n, c))
+                ids = s.token_ids[:n] + tokenize(prompt_text[c:])
+            if prompt_text is not None and prompt_ids is None:
+                marks.append((len(ids), len(prompt_text)))  # the prompt's end
+            s.text_marks = marks
             common = 0
             for a, b in zip(ids, s.token_ids):
                 if a != b:
@@ -293,6 +305,7 @@ class SessionPool:
         with self._lock:
             assert num_computed <= len(token_ids)
             s.token_ids, s.text = list(token_ids), text
+            s.text_marks = valid_marks(s.text_marks, len(s.token_ids), len(text))
             self._truncate_kv(s, num_computed)
             s.num_computed = num_computed
             s.version = next(self._versions)

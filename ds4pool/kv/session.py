@@ -65,6 +65,8 @@ class Session:
     session_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    # (n, c) with token_ids[:n] standing for text[:c]: where a diverging prompt can resume
+    text_marks: list[tuple[int, int]] = field(default_factory=list)
     num_computed: int = 0
     tier: Tier = Tier.NONE
     block_table: BlockTable | None = None

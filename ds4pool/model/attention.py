@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 from torch.nn import functional as F
 
+from ds4pool.model import attention_cpu
 from ds4pool.model.kv_layout import KVLayout
 
 
@@ -156,11 +157,18 @@ class TorchPagedAttention:
     block tables and padded to the longest context, padding masked); each prompt chunk
     is attended on its own with SDPA. A faster kernel can replace this class as long as
     it keeps `forward`'s contract.
+
+    On CPU, `cpu_kernels` routes both through attention_cpu (no double copy of the
+    context, one fused kernel per decode group); `cpu_kernels=False` keeps the gathering
+    path above, the oracle in tests.
     """
 
     name = "torch"
     supports_cuda_graphs = False
     index_dtype = torch.int64
+
+    def __init__(self, cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels
 
     def forward(
         self,
@@ -173,6 +181,8 @@ class TorchPagedAttention:
     ) -> torch.Tensor:  # [T, H, D]
         write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        if self.cpu_kernels and cache.device.type == "cpu":
+            return attention_cpu.forward(q, cache, meta, scale, out)
         if meta.decode_rows.numel():
             out.index_copy_(0, meta.decode_tokens, self._decode(q, cache, meta, scale))
         for p in meta.prefills:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo_tokenizer import build_demo_tokenizer
 from ds4pool.model.llama import LlamaForCausalLM
-from ds4pool.model.loader import LoadedModel, build_empty
+from ds4pool.model.loader import LoadedModel, build_empty, tokenizer_identity
 from ds4pool.model.tokenizer import Tokenizer
 
 DEMO_VERSION = 2
@@ -157,15 +158,27 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def load_random_preset(
-    name: str, device: torch.device, dtype: torch.dtype, *, cache_dir: Path | None = None
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    cache_dir: Path | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> LoadedModel:
-    """A preset-shaped model initialised on `device`; tokenizer from the demo model (ids
-    beyond its vocabulary decode to nothing)."""
+    """A preset-shaped model initialised on `device`. The tokenizer is `tokenizer_dir`'s (the
+    vocabulary follows it, eos from it) or the demo model's (ids beyond its vocabulary decode
+    to nothing)."""
     cfg = preset_config(name)
+    weights_key = f"{name}:{DEMO_SEED}"
+    if tokenizer_dir is None:
+        tokenizer = Tokenizer.from_dir(ensure_demo_model(cache_dir))
+    else:
+        tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        cfg = replace(cfg, vocab_size=tokenizer.vocab_size, eos_token_ids=tokenizer.eos_token_ids)
+        weights_key += ":" + tokenizer_identity(tokenizer_dir)
     model = build_empty(cfg, device, dtype)
     init_random_(model, DEMO_SEED)
     model.fuse_projections()
-    tokenizer = Tokenizer.from_dir(ensure_demo_model(cache_dir))
     return LoadedModel(
         model=model,
         config=cfg,
@@ -174,5 +187,5 @@ def load_random_preset(
         path=None,
         device=device,
         dtype=dtype,
-        weights_id=hashlib.sha256(f"{name}:{DEMO_SEED}".encode()).hexdigest()[:32],
+        weights_id=hashlib.sha256(weights_key.encode()).hexdigest()[:32],
     )

@@ -13,7 +13,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -25,13 +25,16 @@ from ds4pool.model.llama import LlamaForCausalLM
 from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.progress import Progress
 
+if TYPE_CHECKING:
+    from ds4pool.model.scripted import ScriptedForCausalLM
+
 # Checkpoint tensors the model does not need (precomputed RoPE tables in old exports).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | ScriptedForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     name: str  # what the user passed to --model
@@ -149,6 +152,16 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], show_progress: bool
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {shown}")
 
 
+def tokenizer_identity(directory: Path) -> str:
+    """Hash of the files that decide a tokenizer's ids and template."""
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        f = directory / name
+        if f.is_file():
+            h.update(name.encode() + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
 def load_model(
     spec: str,
     device: torch.device,
@@ -156,14 +169,25 @@ def load_model(
     *,
     show_progress: bool = False,
     cache_dir: Path | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load `spec`: 'demo', 'random:<preset>', or a path to a Hugging Face directory."""
+    """Load `spec`: 'demo', 'random:<preset>', 'scripted:RULES.json', or a path to a Hugging
+    Face directory. `tokenizer_dir` (random and scripted only) replaces the demo tokenizer."""
     from ds4pool.model import demo  # demo imports this module
 
+    if spec.startswith("scripted:"):
+        return load_scripted_model(spec, device, tokenizer_dir or demo.ensure_demo_model(cache_dir))
+    if spec.startswith("random:"):
+        return demo.load_random_preset(
+            spec, device, dtype, cache_dir=cache_dir, tokenizer_dir=tokenizer_dir
+        )
+    if tokenizer_dir is not None:
+        raise ModelLoadError(
+            "--tokenizer applies to random:* and scripted:* models; a model directory "
+            "brings its own tokenizer"
+        )
     if spec == "demo":
         directory = demo.ensure_demo_model(cache_dir)
-    elif spec.startswith("random:"):
-        return demo.load_random_preset(spec, device, dtype, cache_dir=cache_dir)
     else:
         directory = Path(spec).expanduser()
     cfg = load_config(directory)
@@ -181,4 +205,23 @@ def load_model(
         device=device,
         dtype=dtype,
         weights_id=weights_identity(files),
+    )
+
+
+def load_scripted_model(spec: str, device: torch.device, tokenizer_dir: Path) -> LoadedModel:
+    from ds4pool.model.scripted import load_scripted  # scripted's LoadedModel type is ours
+
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    model, cfg, weights_id = load_scripted(
+        spec, tokenizer, tokenizer_identity(tokenizer_dir), device
+    )
+    return LoadedModel(
+        model=model,
+        config=cfg,
+        tokenizer=tokenizer,
+        name=spec,
+        path=None,
+        device=device,
+        dtype=torch.float32,
+        weights_id=weights_id,
     )

@@ -4,6 +4,8 @@ There is no prefill phase and no decode phase: every running request has
 `num_computed` catching up to `num_tokens` (prompt tokens, then each sampled token).
 A step takes one token from each request that is decoding, then prompt chunks of
 running and newly admitted requests, under `max_batch_tokens` and `max_batch_size`.
+While any request decodes, prompt chunks also share `max_prefill_tokens`: a step's
+length is set by its prefill work, and every decoder waits for the whole step.
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
@@ -30,6 +32,9 @@ MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_tokens: int = 2048
+    # Prompt tokens per step while some sequence decodes (a lone prompt uses the full
+    # max_batch_tokens): bounds how long a prefill chunk stalls the decoders.
+    max_prefill_tokens: int = 2048
     max_batch_size: int = 64
     serialized: bool = False  # --no-batching: one request at a time, one live session
     session_wait_s: float = 120.0  # how long a request may wait for its busy session
@@ -114,19 +119,30 @@ class Scheduler:
     def schedule(self) -> Step | None:
         """Build the next step, or None if nothing can run now."""
         self._drop_cancelled()
-        budget = self.cfg.max_batch_tokens
         step = Step([], [], [])
         # Decodes first (they keep their pace), then prompt chunks; higher priority first.
-        order = sorted(self.running, key=lambda s: (s.num_pending > 1, s.priority, s.arrival))
-        for seq in order:
-            if budget <= 0 or seq.state is not State.RUNNING:
+        order = sorted(self.running, key=lambda s: (s.priority, s.arrival))
+        budget = self._take(
+            step, [s for s in order if s.num_pending == 1], self.cfg.max_batch_tokens
+        )
+        if step.seqs:  # someone decodes: prompt chunks share the smaller prefill budget
+            budget = min(budget, self.cfg.max_prefill_tokens)
+        budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
+        self._admit(step, budget)
+        return step if step.seqs else None
+
+    def _take(self, step: Step, seqs: list[Seq], budget: int) -> int:
+        """Adds up to `budget` tokens of running seqs, in order; returns the budget left."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.state is not State.RUNNING:  # preempted by an earlier _reserve
                 continue
             n = min(seq.num_pending, budget)
             if self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
-        self._admit(step, budget)
-        return step if step.seqs else None
+        return budget
 
     def _reserve(self, seq: Seq, n: int, step: Step) -> bool:
         """Blocks for n more tokens of seq; preempts lower-priority running requests

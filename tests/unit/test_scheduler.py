@@ -112,6 +112,36 @@ def test_long_prompt_is_chunked_while_others_decode(loaded: LoadedModel) -> None
     assert len(mixed) >= 5  # the short request decoded in the same steps as the chunks
 
 
+def test_prefill_is_capped_only_while_others_decode(loaded: LoadedModel) -> None:
+    tok = loaded.tokenizer
+    long_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": " ".join(f"word{i}" for i in range(300))}]
+    )
+    steps_seen: list[tuple[int, int]] = []  # (sequences, tokens) per step
+    e = engine(loaded, max_batch_tokens=256, max_prefill_tokens=32)
+    e.scheduler.observer.step = lambda b, n, s: steps_seen.append((b, n))  # type: ignore[method-assign]
+    try:
+        # alone, a prompt takes the whole max_batch_tokens budget in its first step
+        e.submit(Request(session_id="lone", prompt_text=long_prompt, max_tokens=1)).collect(60)
+        assert steps_seen[0] == (1, 256)
+        steps_seen.clear()
+        short = e.submit(
+            Request(session_id="short", prompt_text=prompts(loaded, 1)[0], max_tokens=12)
+        )
+        short.get(timeout=60)  # decoding has started
+        long = e.submit(Request(session_id="long", prompt_text=long_prompt, max_tokens=2))
+        _, _, final = long.collect(timeout=120)
+        assert final.usage is not None and final.usage.prompt_tokens > 256
+        short.collect(timeout=120)
+    finally:
+        e.close()
+    mixed = [n for b, n in steps_seen if b == 2]
+    assert len(mixed) >= 5  # the prompt was prefilled next to the decoder, in many steps
+    assert max(mixed) == 1 + 32  # one decode token + at most max_prefill_tokens of prompt
+    # once the decoder finished, the rest of the prompt went at the full budget again
+    assert (1, 256) in steps_seen
+
+
 def test_eos_stop_strings_and_max_tokens(loaded: LoadedModel) -> None:
     e = engine(loaded)
     try:

@@ -1,0 +1,64 @@
+"""Write a random-weight model of a preset's shape as a real Hugging Face directory, with
+the demo tokenizer (byte-level BPE, 8,192 ids), so that other servers (llama.cpp's
+converter, transformers) can load exactly the weights ds4pool serves.
+
+    python bench/write_random_model.py --preset llama3-8b --vocab 8192 /tmp/m8b --device cuda
+
+The peers' figures in ../shared/peers/README.md were measured on this shape (hidden 4096,
+32 layers, GQA 32/8, vocab 8192: 7.05B parameters, 14.09 GB in bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4pool.model import demo  # noqa: E402
+from ds4pool.model.config import ModelConfig  # noqa: E402
+from ds4pool.model.loader import build_empty  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--preset", default="llama3-8b", choices=sorted(demo.PRESETS))
+    ap.add_argument("--vocab", type=int, default=8192, help="must be >= the demo tokenizer's")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    tok_dir = demo.ensure_demo_model()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tok_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, out / f.name)
+    base = json.loads((tok_dir / "config.json").read_text())
+    hf = dict(demo.DEMO_CONFIG, head_dim=None, **demo.PRESETS[args.preset])
+    hf.update(
+        vocab_size=args.vocab,
+        bos_token_id=base["bos_token_id"],
+        eos_token_id=base["eos_token_id"],
+        torch_dtype=args.dtype,
+        tie_word_embeddings=False,
+    )
+    hf = {k: v for k, v in hf.items() if v is not None}
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    dtype = getattr(torch, args.dtype)
+    model = build_empty(ModelConfig.from_hf(hf), torch.device(args.device), dtype)
+    demo.init_random_(model, demo.DEMO_SEED)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    n = sum(v.numel() for v in state.values())
+    print(f"wrote {out}: {n / 1e9:.2f}B parameters, {n * dtype.itemsize / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

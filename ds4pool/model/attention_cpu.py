@@ -1,0 +1,235 @@
+"""Paged attention on CPU: decode groups and prompt chunks through the fused SDPA kernel.
+
+Why this shape (measured on a 2-core EPYC, demo model, 16 decoders at 1.5k tokens; the
+numbers are in docs/BENCHMARKS.md):
+- The reference decode gathers keys with advanced indexing (`cache[0][tables]`) and then
+  `matmul` copies them a second time, because [B, H_kv, D, L] does not fold into one bmm
+  batch dimension. Those two copies were ~80% of a batch-16 step.
+- The kernel is `scaled_dot_product_attention` (the fused CPU flash kernel): it reads keys
+  through strides from the cache layout [L, H_kv, D]. GQA: the G query heads that share a
+  KV head go in as G queries of one head, so each key block is read once for all of them
+  (10% faster than enable_gqa at the demo's G=2, 28% at Llama-3-8B's G=4).
+- A sequence whose blocks are one run of consecutive ids (the block pool hands out ids in
+  FIFO order, so a prompt's blocks mostly are) is a contiguous slice of the cache: it is
+  attended in place, no copy. Small per-sequence GEMMs over those views lose to a copy;
+  the fused kernel on them wins over gathering by ~15%.
+- Other sequences are gathered with one `index_select` of whole blocks (a memcpy of
+  contiguous rows, far faster than advanced indexing) in groups of a few MiB, so that the
+  copy is still in cache when the kernel reads it (a group of 16 at 1.5k tokens was ~2x
+  slower than groups of 2); lengths are grouped so that padding stays under a quarter.
+
+Numerics: a sequence's output is its own softmax over its own keys; padding keys are masked
+to -inf and add exact zeros, so the result does not depend on its batch neighbours beyond
+float rounding of the kernel's tiling.
+
+Shapes: Bd = decode sequences, H = query heads, H_kv = key/value heads, G = H / H_kv,
+D = head_dim, bs = block_size, n = blocks gathered per sequence in a group, L = n * bs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn import functional as F
+
+if TYPE_CHECKING:  # attention.py imports this module
+    from ds4pool.model.attention import AttentionMetadata
+
+# A sequence joins a decode group when its padding to the group's longest is at most this
+# share of the longest, or at most _PAD_BLOCKS blocks (cheaper than one more kernel call)...
+_MAX_PAD_SHARE = 0.25
+_PAD_BLOCKS = 8
+# ...and the group's gathered K and V stay within this many bytes, so that the kernel reads
+# them back from cache rather than memory (groups of 2 beat one group of 16 by ~2x at 1.5k
+# tokens; one sequence longer than this is a group of its own).
+GROUP_BYTES = 4 << 20
+
+
+def forward(
+    q: torch.Tensor,  # [T, H, D]
+    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D], this step's k, v already written
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], filled and returned
+) -> torch.Tensor:
+    """TorchPagedAttention.forward's contract on CPU, after write_kv."""
+    if meta.decode_rows.numel():
+        # CPU tensors: .tolist() reads host memory, it is not a device sync.
+        decoded = paged_decode(
+            q.index_select(0, meta.decode_tokens),
+            cache,
+            meta.block_tables.index_select(0, meta.decode_rows),
+            meta.context_lens.index_select(0, meta.decode_rows).tolist(),
+            scale,
+            meta.sliding_window,
+        )
+        out.index_copy_(0, meta.decode_tokens, decoded)
+    for p in meta.prefills:
+        out[p.token_start : p.token_end] = paged_prefill(
+            q[p.token_start : p.token_end],
+            cache,
+            meta.block_tables[p.row],
+            p.context_len,
+            scale,
+            meta.sliding_window,
+        )
+    return out
+
+
+def decode_groups(num_blocks: Sequence[int], block_bytes: int) -> list[list[int]]:
+    """Indices into num_blocks, longest first, cut where a sequence would pad too much or the
+    group's gathered bytes (block_bytes per block of K and V) would pass GROUP_BYTES."""
+    order = sorted(range(len(num_blocks)), key=lambda i: -num_blocks[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            group = groups[-1]
+            longest = num_blocks[group[0]]
+            pad = longest - num_blocks[i]
+            fits = (len(group) + 1) * longest * block_bytes <= GROUP_BYTES
+            if fits and (pad <= _PAD_BLOCKS or pad <= _MAX_PAD_SHARE * longest):
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _first_block(ctx: int, block_size: int, sliding_window: int | None) -> int:
+    """The first block holding a key visible to the query at position ctx - 1."""
+    if not sliding_window or ctx <= sliding_window:
+        return 0
+    return (ctx - sliding_window) // block_size
+
+
+def _run_start(table: list[int], first: int, count: int) -> int | None:
+    """table[first] when table[first : first + count] are consecutive block ids, else None."""
+    start = table[first]
+    ok = all(b == start + k for k, b in enumerate(table[first : first + count]))
+    return start if ok else None
+
+
+def paged_decode(
+    q: torch.Tensor,  # [Bd, H, D] one query token per sequence
+    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
+    tables: torch.Tensor,  # [Bd, max_blocks] int64 block ids (entries past a context unused)
+    context_lens: Sequence[int],  # [Bd] keys per sequence, the query's own included
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [Bd, H, D]
+    _, _, bs, h_kv, d = cache.shape
+    bd, num_heads = q.shape[0], q.shape[1]
+    group_q = q.view(bd, h_kv, num_heads // h_kv, d)  # [Bd, H_kv, G, D]
+    firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
+    counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
+    host_tables = tables.tolist()  # CPU: a host read, not a device sync
+    out = torch.empty_like(q)
+    gathered = []  # rows whose blocks are not one run of consecutive ids
+    for i, ctx in enumerate(context_lens):
+        start = _run_start(host_tables[i], firsts[i], counts[i])
+        if start is None:
+            gathered.append(i)
+            continue
+        # One run of blocks is a contiguous slice of the cache: attend it in place, cut to
+        # exactly the visible keys (no mask).
+        lo = max(0, ctx - sliding_window) if sliding_window else 0
+        base = (start - firsts[i]) * bs  # slot of position 0, were the run extended back
+        keys = cache[0].view(-1, h_kv, d)[base + lo : base + ctx]  # [C', H_kv, D]
+        values = cache[1].view(-1, h_kv, d)[base + lo : base + ctx]
+        out[i] = _sdpa(group_q[i : i + 1], keys[None], values[None], None, scale)[0]
+    block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
+    for sub in decode_groups([counts[i] for i in gathered], block_bytes):
+        group = [gathered[k] for k in sub]
+        n = counts[group[0]]
+        rows = torch.tensor(group, dtype=torch.int64, device=q.device)  # [g]
+        first = torch.tensor([firsts[i] for i in group], dtype=torch.int64, device=q.device)
+        cols = (first[:, None] + torch.arange(n, device=q.device)[None, :]).clamp_(
+            max=tables.shape[1] - 1
+        )  # [g, n]; columns past a shorter sequence's end are masked below
+        blocks = tables.index_select(0, rows).gather(1, cols).flatten()  # [g * n]
+        keys = cache[0].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
+        values = cache[1].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
+        mask = _decode_mask(group, context_lens, firsts, n * bs, bs, sliding_window, q.device)
+        o = _sdpa(group_q.index_select(0, rows), keys, values, mask, scale)
+        out.index_copy_(0, rows, o)
+    return out
+
+
+def _sdpa(
+    q: torch.Tensor,  # [g, H_kv, G, D]
+    keys: torch.Tensor,  # [g, L, H_kv, D], any strides
+    values: torch.Tensor,  # [g, L, H_kv, D]
+    mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
+    scale: float,
+) -> torch.Tensor:  # [g, H, D]
+    # The G query heads of a KV head go in as G queries of one head (a decode has no causal
+    # mask): the kernel then reads each key block once for all of them, not G times.
+    o = F.scaled_dot_product_attention(
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+    )  # [g, H_kv, G, D]
+    return o.reshape(q.shape[0], -1, q.shape[3])
+
+
+def _decode_mask(
+    group: list[int],
+    context_lens: Sequence[int],
+    firsts: Sequence[int],
+    length: int,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:  # [g, 1, 1, L] bool, True = visible; None when all are
+    ctx = [context_lens[i] for i in group]
+    starts = [firsts[i] * block_size for i in group]  # position of the first gathered key
+    window = sliding_window or 0
+    if all(c - s == length and (not window or c - s <= window) for c, s in zip(ctx, starts)):
+        return None
+    pos = torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)
+    ctx_t = torch.tensor(ctx, device=device)[:, None]
+    visible = pos < ctx_t  # [g, L]
+    if window:
+        visible &= pos >= ctx_t - window
+    return visible[:, None, None, :]
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [Q, H, D] one prompt chunk, at positions [C - Q, C)
+    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
+    table: torch.Tensor,  # [max_blocks] int64 this sequence's block ids
+    context_len: int,  # C: keys after this chunk was written
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [Q, H, D]
+    _, _, bs, h_kv, d = cache.shape
+    n_q = q.shape[0]
+    first = _first_block(context_len - n_q + 1, bs, sliding_window)  # for the chunk's 1st query
+    n = -(-context_len // bs) - first
+    start = first * bs  # position of the first gathered key
+    blocks = table[first : first + n]
+    run = _run_start(blocks.tolist(), 0, n)  # CPU: a host read, not a device sync
+    if run is not None:  # one run of consecutive blocks: a slice of the cache, no copy
+        keys = cache[0, run : run + n].view(n * bs, h_kv, d)
+        values = cache[1, run : run + n].view(n * bs, h_kv, d)
+    else:
+        keys = cache[0].index_select(0, blocks).view(n * bs, h_kv, d)
+        values = cache[1].index_select(0, blocks).view(n * bs, h_kv, d)
+    keys, values = keys[: context_len - start], values[: context_len - start]  # [C', H_kv, D]
+    mask = None
+    if n_q != context_len or sliding_window:
+        # query i sits at position C - Q + i and sees keys at positions <= that
+        q_pos = torch.arange(context_len - n_q, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(start, context_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [Q, C']
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, Q, D]
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != h_kv,
+    )  # [1, H, Q, D]
+    return out[0].transpose(0, 1)

@@ -1,0 +1,104 @@
+"""The CPU attention path against the gathering reference, over random paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4pool.model.attention import TorchPagedAttention, build_metadata
+from ds4pool.model.attention_cpu import GROUP_BYTES, decode_groups
+
+BS = 4
+D = 8
+
+
+def random_step(
+    query_lens: list[int],
+    context_lens: list[int],
+    h_kv: int,
+    seed: int,
+    group: int = 2,
+    fifo: bool = False,
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tables from shuffled ids, or (fifo) runs of consecutive ids as the block pool
+    hands them out, every other sequence's reversed; a cache of noise; this step's q, k, v."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-c // BS) + 1 for c in context_lens]  # one spare block past each context
+    num_blocks = sum(need) + 3
+    ids = list(range(3, num_blocks)) if fifo else torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for i, n in enumerate(need):
+        tables.append(ids[at : at + n][:: -1 if fifo and i % 2 else 1])
+        at += n
+    cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
+    t = sum(query_lens)
+    q = torch.randn(t, group * h_kv, D, generator=gen)  # group query heads per KV head
+    k = torch.randn(t, h_kv, D, generator=gen)
+    v = torch.randn(t, h_kv, D, generator=gen)
+    return tables, cache, q, k, v
+
+
+def attend(
+    backend: TorchPagedAttention,
+    query_lens: list[int],
+    context_lens: list[int],
+    window: int | None = None,
+    heads: tuple[int, int] = (2, 2),
+    seed: int = 0,
+) -> torch.Tensor:
+    h_kv, group = heads
+    fifo = seed % 2 == 1  # odd seeds: consecutive block runs (attended in place)
+    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed, group, fifo)
+    meta = build_metadata(query_lens, context_lens, tables, BS, torch.device("cpu"), window)
+    return backend.forward(q, k, v, cache, meta, scale=D**-0.5)
+
+
+CASES = {
+    "equal decodes": ([1] * 5, [37] * 5),
+    "ragged decodes": ([1] * 6, [1, 2, 9, 40, 41, 130]),
+    "block-aligned decodes": ([1] * 3, [4, 8, 64]),
+    "first chunks": ([7, 12], [7, 12]),
+    "later chunks": ([5, 9], [23, 9 + 40]),
+    "chunks mixed with decodes": ([1, 6, 1, 13, 1], [50, 6, 3, 29, 120]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize("heads", [(1, 2), (2, 3), (2, 1)], ids=["mqa", "gqa", "mha"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_the_gathering_reference(
+    case: str, heads: tuple[int, int], window: int | None
+) -> None:
+    query_lens, context_lens = CASES[case]
+    for seed in range(4):
+        fast = attend(TorchPagedAttention(), query_lens, context_lens, window, heads, seed)
+        ref = attend(
+            TorchPagedAttention(cpu_kernels=False), query_lens, context_lens, window, heads, seed
+        )
+        assert fast.shape == ref.shape
+        assert (fast - ref).abs().max().item() < 1e-5, (case, seed)
+
+
+def test_a_decode_does_not_depend_on_its_neighbours() -> None:
+    # The long neighbours put the short sequence in a group of its own or pad it; either way
+    # it must see exactly its own keys.
+    lens = [200, 9, 190, 60]
+    together = attend(TorchPagedAttention(), [1] * 4, lens)
+    tables, cache, q, k, v = random_step([1] * 4, lens, 2, 0)
+    backend = TorchPagedAttention()
+    for i in range(4):
+        meta = build_metadata([1], [lens[i]], [tables[i]], BS, torch.device("cpu"))
+        alone = backend.forward(q[i : i + 1], k[i : i + 1], v[i : i + 1], cache, meta, D**-0.5)
+        assert (alone[0] - together[i]).abs().max().item() < 1e-6
+
+
+def test_decode_groups_bound_padding_and_bytes() -> None:
+    counts = [100, 3, 80, 76, 74, 2, 40, 99]
+    groups = decode_groups(counts, block_bytes=GROUP_BYTES // 250)
+    assert sorted(i for g in groups for i in g) == list(range(len(counts)))
+    for g in groups:
+        longest = max(counts[i] for i in g)
+        assert all(longest - counts[i] <= max(8, 0.25 * longest) for i in g)
+        assert len(g) * longest <= 250
+    # [100, 99], [80, 76, 74], [40], [3, 2]: 100 + 99 + 80 would pass the byte budget
+    assert [sorted(counts[i] for i in g) for g in groups] == [[99, 100], [74, 76, 80], [40], [2, 3]]
