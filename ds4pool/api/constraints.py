@@ -24,12 +24,8 @@ from ds4pool.output.constraints import (
     json_schema_spec,
     parse_tools,
 )
-from ds4pool.output.tool_grammar import (
-    at_most_one_call_spec,
-    detect_tool_format,
-    no_tool_call_spec,
-    tool_call_spec,
-)
+from ds4pool.output.detect import detect_tool_format
+from ds4pool.output.tool_grammar import at_most_one_call_spec, no_tool_call_spec, tool_call_spec
 
 
 async def constrain(engine: Engine, build: Callable[[], GrammarSpec | None]) -> Constraint | None:
@@ -57,7 +53,7 @@ def tool_spec(
 ) -> GrammarSpec | None:
     """The spec for a normalised tool choice: "auto", "none", "required" or "function"
     (with `name`). Shared by chat completions, Responses and Anthropic messages."""
-    fmt = detect_tool_format(tokenizer.chat_template(bool(tools)))
+    fmt = detect_tool_format(tokenizer.chat_template(bool(tools)) or "", _Vocab(tokenizer))
     if choice == "none":
         return no_tool_call_spec(fmt, param) if tools else None
     if choice == "auto":
@@ -74,6 +70,16 @@ def tool_spec(
         parallel=parallel,
         param=param,
     )
+
+
+class _Vocab:
+    """`token in vocab` for format detection: is it one token of the tokenizer?"""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __contains__(self, token: object) -> bool:
+        return isinstance(token, str) and self._tokenizer.token_to_id(token) is not None
 
 
 def response_format_spec(value: dict[str, Any] | None) -> GrammarSpec | None:

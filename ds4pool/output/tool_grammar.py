@@ -1,13 +1,15 @@
 """Forced tool calls as xgrammar structural tags, in the model's own tool-call format.
 
-`detect_tool_format` reads the format off the chat template, so the output parsers read the
-forced text back as structured calls:
+The format is the one `ds4pool.output.detect.detect_tool_format` reads off the chat template
+(the parsers' own choice), so the output parsers read the forced text back as calls:
 
   hermes       <tool_call>\\n{"name": "N", "arguments": {...}}\\n</tool_call>   ("\\n" between)
   llama3_json  {"name": "N", "parameters": {...}}                              ("; " between)
   mistral      [TOOL_CALLS][{"name": "N", "arguments": {...}}, ...]
   deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
                \\n```<｜tool▁call▁end｜>  ("\\n" between)  <｜tool▁calls▁end｜>
+  qwen3_coder  <tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n...</function>
+               \\n</tool_call>  ("\\n" between)
 
 Markers that are single tokens of the vocabulary are matched as that token (as the model
 writes them), others as text. Arguments JSON allows at most one whitespace character in a
@@ -23,7 +25,8 @@ from typing import Any
 from ds4pool.model.grammar import GrammarSpec
 from ds4pool.output.constraints import ConstraintError, FunctionTool, bounded_strings
 
-TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3")
+# the formats a call can be forced in (ds4pool.output.detect names them)
+FORCEABLE = ("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder")
 _DS = {  # DeepSeek-V3's markers
     "calls_begin": "<｜tool▁calls▁begin｜>",
     "calls_end": "<｜tool▁calls▁end｜>",
@@ -37,26 +40,10 @@ OPENERS = {
     "llama3_json": '{"name"',
     "mistral": "[TOOL_CALLS]",
     "deepseek_v3": _DS["calls_begin"],
+    "qwen3_coder": "<tool_call>",
 }
 
 IsToken = Callable[[str], bool]  # is this string one token of the vocabulary?
-
-
-def detect_tool_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template writes (one of TOOL_FORMATS), None if unknown."""
-    if not chat_template:
-        return None
-    if _DS["calls_begin"] in chat_template:
-        return "deepseek_v3"
-    if "[TOOL_CALLS]" in chat_template:
-        return "mistral"
-    if "<tool_call>" in chat_template:
-        return "hermes"
-    if "<|python_tag|>" in chat_template or (
-        "ipython" in chat_template and '"parameters"' in chat_template
-    ):
-        return "llama3_json"
-    return None
 
 
 def tool_call_spec(
@@ -70,7 +57,7 @@ def tool_call_spec(
 ) -> GrammarSpec:
     """Output is one (parallel=False) or more tool calls in `fmt`, of `tools` or only of
     the tool `name`, arguments per its parameters schema; then the end of the turn."""
-    if fmt not in TOOL_FORMATS:
+    if fmt not in FORCEABLE:
         raise ConstraintError(
             f"{param}: this model's chat template has no tool-call format ds4pool can force",
             param,
@@ -83,7 +70,7 @@ def tool_call_spec(
             raise ConstraintError(f"{param}: no tool named {name!r} in tools", param)
     lit = _literal(is_token)
     one = _or([_CALLS[fmt](t, lit) for t in tools])
-    sep = {"hermes": "\n", "llama3_json": "; ", "mistral": ", ", "deepseek_v3": "\n"}[fmt]
+    sep = {"llama3_json": "; ", "mistral": ", "}.get(fmt, "\n")
     calls = _seq([one, {"type": "star", "content": _seq([_const(sep), one])}]) if parallel else one
     if fmt == "mistral":
         calls = _seq([*lit("[TOOL_CALLS]"), _const("["), calls, _const("]")])
@@ -94,7 +81,7 @@ def tool_call_spec(
 
 def no_tool_call_spec(fmt: str | None, param: str = "tool_choice") -> GrammarSpec | None:
     """tool_choice "none": any text that never opens a tool call (None: nothing to forbid)."""
-    if fmt not in TOOL_FORMATS or fmt == "llama3_json":  # its opener is ordinary JSON text
+    if fmt not in FORCEABLE or fmt == "llama3_json":  # its opener is ordinary JSON text
         return None
     return _tag({"type": "any_text", "excludes": [OPENERS[fmt]]}, param)
 
@@ -104,15 +91,22 @@ def at_most_one_call_spec(
 ) -> GrammarSpec:
     """tool_choice "auto" without parallel calls: free text, then at most one call (its
     arguments per schema), then the end of the turn."""
-    if fmt not in ("hermes", "llama3_json"):  # the others open calls with special tokens
+    if fmt not in ("hermes", "llama3_json", "qwen3_coder"):  # the others: special tokens
         raise ConstraintError(
             f"{param}: false is supported only with a forced tool_choice for this model", param
         )
     heads = {"hermes": ('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>")}
     heads["llama3_json"] = ('{{"name": {}, "parameters": ', "}")
+    heads["qwen3_coder"] = ("<tool_call>\n<function={}>\n", "</function>\n</tool_call>")
     head, end = heads[fmt]
+    style = "qwen_xml" if fmt == "qwen3_coder" else "json"
     tags = [
-        {"type": "tag", "begin": head.format(json.dumps(t.name)), "content": _args(t), "end": end}
+        {
+            "type": "tag",
+            "begin": head.format(t.name if style == "qwen_xml" else json.dumps(t.name)),
+            "content": _args(t, style),
+            "end": end,
+        }
         for t in tools
     ]
     fmt_tags = {"type": "triggered_tags", "triggers": [OPENERS[fmt]], "tags": tags}
@@ -136,9 +130,10 @@ def _or(elements: list[Format]) -> Format:
     return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
 
 
-def _args(tool: FunctionTool) -> Format:
+def _args(tool: FunctionTool, style: str = "json") -> Format:
     schema = bounded_strings(tool.parameters)
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    fmt = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    return fmt if style == "json" else {**fmt, "style": style}
 
 
 def _literal(is_token: IsToken) -> Callable[[str], list[Format]]:
@@ -179,7 +174,20 @@ def _deepseek(t: FunctionTool, lit: Callable[[str], list[Format]]) -> Format:
     )
 
 
-_CALLS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "deepseek_v3": _deepseek}
+def _qwen3_coder(t: FunctionTool, lit: Callable[[str], list[Format]]) -> Format:
+    # <parameter=KEY>\nVALUE\n</parameter> per argument: xgrammar's qwen_xml style
+    head = _const(f"\n<function={t.name}>\n")
+    body = _args(t, "qwen_xml")
+    return _seq([*lit("<tool_call>"), head, body, _const("</function>\n"), *lit("</tool_call>")])
+
+
+_CALLS = {
+    "hermes": _hermes,
+    "llama3_json": _llama3,
+    "mistral": _mistral,
+    "deepseek_v3": _deepseek,
+    "qwen3_coder": _qwen3_coder,
+}
 
 
 def _tag(fmt: Format, param: str) -> GrammarSpec:

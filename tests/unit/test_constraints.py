@@ -7,12 +7,8 @@ import pytest
 from ds4pool.model.grammar import GrammarCache, GrammarError, GrammarSpec
 from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.constraints import ConstraintError, json_schema_spec, parse_tools
-from ds4pool.output.tool_grammar import (
-    at_most_one_call_spec,
-    detect_tool_format,
-    no_tool_call_spec,
-    tool_call_spec,
-)
+from ds4pool.output.detect import detect_tool_format
+from ds4pool.output.tool_grammar import at_most_one_call_spec, no_tool_call_spec, tool_call_spec
 from tests.real_tokenizers import real_tokenizer_dir
 
 xgr = pytest.importorskip("xgrammar")
@@ -40,8 +36,15 @@ EXPECTED = {  # one call of get_weather, as each model's template writes it
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "deepseek_v3": DS
     + 'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "</function>\n</tool_call>",
 }
-TOKENIZER = {"hermes": "qwen3", "llama3_json": "llama3_1", "mistral": "qwen3"}
+TOKENIZER = {
+    "hermes": "qwen3",
+    "llama3_json": "llama3_1",
+    "mistral": "qwen3",
+    "qwen3_coder": "qwen3",
+}
 TOKENIZER["deepseek_v3"] = "deepseek_v3"
 
 _cache: dict[str, tuple[Tokenizer, GrammarCache]] = {}
@@ -62,11 +65,10 @@ def matches(cache: GrammarCache, tok: Tokenizer, spec: GrammarSpec, text: str) -
 
 
 def test_detects_the_format_of_real_templates() -> None:
-    assert detect_tool_format(grammars("qwen3")[0].chat_template()) == "hermes"
-    ds = grammars("deepseek_v3")[0].chat_template()
-    assert detect_tool_format(ds) == "deepseek_v3"
-    assert detect_tool_format("{{ messages }}") is None
-    assert detect_tool_format(None) is None
+    qwen, ds = grammars("qwen3")[0], grammars("deepseek_v3")[0]
+    assert detect_tool_format(qwen.chat_template() or "", ()) == "hermes"
+    assert detect_tool_format(ds.chat_template() or "", ()) == "deepseek_v3"
+    assert detect_tool_format("{{ messages }}", ()) == "none"
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPECTED))
@@ -77,7 +79,11 @@ def test_forced_tool_call_matches_the_model_format(fmt: str) -> None:
     assert matches(cache, tok, spec, EXPECTED[fmt])
     wrong_name = EXPECTED[fmt].replace("get_weather", "get_weathr")
     assert not matches(cache, tok, spec, wrong_name)
-    missing_arg = EXPECTED[fmt].replace('"city": "Paris"', "")
+    missing_arg = (
+        EXPECTED[fmt]
+        .replace('"city": "Paris"', "")
+        .replace("<parameter=city>\nParis\n</parameter>\n", "")
+    )
     assert not matches(cache, tok, spec, missing_arg)
     only_now = tool_call_spec(fmt, TOOLS, is_token, name="now")
     assert not matches(cache, tok, only_now, EXPECTED[fmt])

@@ -18,7 +18,8 @@ from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.sampler import SamplingParams
 from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.constraints import parse_tools
-from ds4pool.output.tool_grammar import detect_tool_format, tool_call_spec
+from ds4pool.output.detect import detect_tool_format
+from ds4pool.output.tool_grammar import tool_call_spec
 from ds4pool.sched.request import Request
 from tests.real_tokenizers import real_tokenizer_dir
 
@@ -69,7 +70,7 @@ def engine():  # noqa: ANN201
 
 def test_forced_calls_parse_as_qwen3_tool_calls(engine: Engine) -> None:
     tok = engine.tokenizer
-    assert detect_tool_format(tok.chat_template(True)) == "hermes"
+    assert detect_tool_format(tok.chat_template(True) or "", ()) == "hermes"
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "show me main.py"}], tools=TOOLS, enable_thinking=False
     )
