@@ -9,19 +9,15 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from ds4pool.engine import Engine, EngineConfig
-from ds4pool.model.config import ModelConfig
-from ds4pool.model.demo import init_random_
-from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.sampler import SamplingParams
-from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.constraints import parse_tools
 from ds4pool.output.detect import detect_tool_format
 from ds4pool.output.tool_grammar import tool_call_spec
 from ds4pool.sched.request import Request
 from tests.real_tokenizers import real_tokenizer_dir
+from tests.tiny_vocab_model import tiny_model
 
 TOOLS = [
     {
@@ -45,24 +41,8 @@ CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 
 @pytest.fixture(scope="module")
 def engine():  # noqa: ANN201
-    tok = Tokenizer.from_dir(real_tokenizer_dir("qwen3"))
-    cfg = ModelConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 151936,  # > the tokenizer's 151,669: padding ids never allowed
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 4096,
-        }
-    )
-    model = build_empty(cfg, torch.device("cpu"), torch.float32)
-    init_random_(model, seed=11)
-    loaded = LoadedModel(
-        model, cfg, tok, "qwen3-vocab", None, torch.device("cpu"), torch.float32, "q"
-    )
+    # lm_head wider than the tokenizer's 151,669 ids, as Qwen3's: padding ids never allowed
+    loaded = tiny_model(real_tokenizer_dir("qwen3"), vocab_size=151936)
     e = Engine(EngineConfig(kv_device_gb=0.02), loaded=loaded)
     yield e
     e.close()
