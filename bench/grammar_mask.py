@@ -3,12 +3,14 @@
     python bench/grammar_mask.py                      # demo vocab (1,024) and, if fetched,
                                                       # Qwen3's (151,669; lm_head 151,936)
     python bench/grammar_mask.py --steps 200
+    python bench/grammar_mask.py --device cuda        # masking on the GPU (fill stays on CPU)
 
 Part 1 (micro, per vocabulary): N in {1, 16} matchers of one JSON schema, each driven through
 a forced generation (fill the mask, take the highest allowed id, accept it; a matcher that
 ends is restarted). Per step it times the scheduler's work, `GrammarState.fill()` for all N,
-and the runner's, `apply_token_bitmask` on [N, V] float32 logits (CPU here; on CUDA it is
-one pinned upload plus three elementwise kernels). Medians over --steps steps.
+and the runner's, `apply_token_bitmask` on [N, V] float32 logits (on --device: CPU uses
+xgrammar's kernel, CUDA one pinned upload plus a few elementwise kernels). Medians over
+--steps steps.
 
 Part 2 (end to end, demo model): 16 requests decoding together, all constrained vs none,
 median decode-step time from the scheduler's observer hook.
@@ -50,26 +52,31 @@ SCHEMA = {
 }
 
 
-def micro(tok: Tokenizer, vocab: int, n: int, steps: int) -> tuple[float, float]:
+def micro(
+    tok: Tokenizer, vocab: int, n: int, steps: int, device: torch.device
+) -> tuple[float, float]:
     cache = GrammarCache(tok, vocab)
     constraint = cache.compile(json_schema_spec(SCHEMA, "schema"))
     states = [GrammarState(constraint, vocab) for _ in range(n)]
-    logits = torch.randn(n, vocab)
+    logits = torch.randn(n, vocab, device=device)
     fills, applies = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         masks = [s.fill() for s in states]
         t1 = time.perf_counter()
         masked = apply_token_bitmask(logits, list(range(n)), masks)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         fills.append(t1 - t0)
         applies.append(t2 - t1)
+        best = masked.argmax(dim=1).tolist()
         for k, s in enumerate(states):
-            token = int(masked[k].argmax())
+            token = best[k]
             s.accept(token)
             if s.terminated or token in tok.eos_token_ids:
                 states[k] = GrammarState(constraint, vocab)
-        logits = torch.randn(n, vocab)
+        logits = torch.randn(n, vocab, device=device)
     return statistics.median(fills) * 1e6, statistics.median(applies) * 1e6
 
 
@@ -109,7 +116,9 @@ def end_to_end(constrained: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     vocabs = [("demo", Tokenizer.from_dir(ensure_demo_model()), 1024)]
     qwen = Path.home() / ".cache/ds4pool/test-tokenizers/qwen3"
@@ -118,8 +127,10 @@ def main() -> None:
     print("vocab    V        N   fill us/step  (per seq)  mask us/step")
     for name, tok, vocab in vocabs:
         for n in (1, 16):
-            fill, apply = micro(tok, vocab, n, args.steps)
+            fill, apply = micro(tok, vocab, n, args.steps, device)
             print(f"{name:8} {vocab:<8} {n:<3} {fill:12.1f}  {fill / n:9.1f}  {apply:12.1f}")
+    if device.type != "cpu":
+        return  # part 2 is the CPU demo engine
     free, forced = end_to_end(False), end_to_end(True)
     print(f"demo model, 16 decoding: step {free:.2f} ms free, {forced:.2f} ms all constrained")
     print(json.dumps({"step_ms_free": free, "step_ms_constrained": forced}))
