@@ -56,12 +56,12 @@ def tool_spec(
     fmt = detect_tool_format(tokenizer.chat_template(bool(tools)) or "", _Vocab(tokenizer))
     if choice == "none":
         return no_tool_call_spec(fmt, param) if tools else None
-    if choice == "auto":
-        return None if parallel or not tools else at_most_one_call_spec(fmt, tools)
 
     def is_token(text: str) -> bool:
         return tokenizer.token_to_id(text) is not None
 
+    if choice == "auto":
+        return None if parallel or not tools else at_most_one_call_spec(fmt, tools, is_token)
     return tool_call_spec(
         fmt,
         tools,

@@ -57,26 +57,30 @@ def tool_call_spec(
 ) -> GrammarSpec:
     """Output is one (parallel=False) or more tool calls in `fmt`, of `tools` or only of
     the tool `name`, arguments per its parameters schema; then the end of the turn."""
-    if fmt not in FORCEABLE:
-        raise ConstraintError(
-            f"{param}: this model's chat template has no tool-call format ds4pool can force",
-            param,
-        )
+    _check_format(fmt, param)
     if not tools:
         raise ConstraintError(f"{param} requires tools to call; none were given", param)
     if name is not None:
         tools = [t for t in tools if t.name == name]
         if not tools:
             raise ConstraintError(f"{param}: no tool named {name!r} in tools", param)
-    lit = _literal(is_token)
-    one = _or([_CALLS[fmt](t, lit) for t in tools])
-    sep = {"llama3_json": "; ", "mistral": ", "}.get(fmt, "\n")
-    calls = _seq([one, {"type": "star", "content": _seq([_const(sep), one])}]) if parallel else one
-    if fmt == "mistral":
-        calls = _seq([*lit("[TOOL_CALLS]"), _const("["), calls, _const("]")])
-    elif fmt == "deepseek_v3":
-        calls = _seq([*lit(_DS["calls_begin"]), calls, *lit(_DS["calls_end"])])
-    return _tag(calls, param)
+    assert fmt is not None
+    return _tag(_calls(fmt, tools, is_token, parallel), param)
+
+
+def at_most_one_call_spec(
+    fmt: str | None,
+    tools: list[FunctionTool],
+    is_token: IsToken,
+    param: str = "parallel_tool_calls",
+) -> GrammarSpec:
+    """tool_choice "auto" without parallel calls: text that never opens a call, then at
+    most one call (arguments per schema), then the end of the turn."""
+    _check_format(fmt, param)
+    assert fmt is not None and tools
+    text = {"type": "any_text", "excludes": [OPENERS[fmt]]}
+    call = {"type": "optional", "content": _calls(fmt, tools, is_token, parallel=False)}
+    return _tag(_seq([text, call]), param)
 
 
 def no_tool_call_spec(fmt: str | None, param: str = "tool_choice") -> GrammarSpec | None:
@@ -86,31 +90,25 @@ def no_tool_call_spec(fmt: str | None, param: str = "tool_choice") -> GrammarSpe
     return _tag({"type": "any_text", "excludes": [OPENERS[fmt]]}, param)
 
 
-def at_most_one_call_spec(
-    fmt: str | None, tools: list[FunctionTool], param: str = "parallel_tool_calls"
-) -> GrammarSpec:
-    """tool_choice "auto" without parallel calls: free text, then at most one call (its
-    arguments per schema), then the end of the turn."""
-    if fmt not in ("hermes", "llama3_json", "qwen3_coder"):  # the others: special tokens
+def _check_format(fmt: str | None, param: str) -> None:
+    if fmt not in FORCEABLE:
         raise ConstraintError(
-            f"{param}: false is supported only with a forced tool_choice for this model", param
+            f"{param}: this model's chat template has no tool-call format ds4pool can force",
+            param,
         )
-    heads = {"hermes": ('<tool_call>\n{{"name": {}, "arguments": ', "}\n</tool_call>")}
-    heads["llama3_json"] = ('{{"name": {}, "parameters": ', "}")
-    heads["qwen3_coder"] = ("<tool_call>\n<function={}>\n", "</function>\n</tool_call>")
-    head, end = heads[fmt]
-    style = "qwen_xml" if fmt == "qwen3_coder" else "json"
-    tags = [
-        {
-            "type": "tag",
-            "begin": head.format(t.name if style == "qwen_xml" else json.dumps(t.name)),
-            "content": _args(t, style),
-            "end": end,
-        }
-        for t in tools
-    ]
-    fmt_tags = {"type": "triggered_tags", "triggers": [OPENERS[fmt]], "tags": tags}
-    return _tag({**fmt_tags, "stop_after_first": True}, param)
+
+
+def _calls(fmt: str, tools: list[FunctionTool], is_token: IsToken, parallel: bool) -> Format:
+    """One call (or, parallel, one or more) of any of `tools`, with the format's wrapper."""
+    lit = _literal(is_token)
+    one = _or([_CALLS[fmt](t, lit) for t in tools])
+    sep = {"llama3_json": "; ", "mistral": ", "}.get(fmt, "\n")
+    calls = _seq([one, {"type": "star", "content": _seq([_const(sep), one])}]) if parallel else one
+    if fmt == "mistral":
+        calls = _seq([*lit("[TOOL_CALLS]"), _const("["), calls, _const("]")])
+    elif fmt == "deepseek_v3":
+        calls = _seq([*lit(_DS["calls_begin"]), calls, *lit(_DS["calls_end"])])
+    return calls
 
 
 # ------------------------------------------------------------------ structural-tag pieces

@@ -135,14 +135,16 @@ def test_bad_input_names_the_field() -> None:
 
 
 def test_auto_without_parallel_calls_allows_text_then_one_call() -> None:
-    tok, cache = grammars("qwen3")
-    spec = at_most_one_call_spec("hermes", TOOLS)
-    assert matches(cache, tok, spec, "Let me check. " + EXPECTED["hermes"])
-    assert matches(cache, tok, spec, "No tool needed.")
-    two = EXPECTED["hermes"] + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
-    assert not matches(cache, tok, spec, two)
+    for fmt in ("hermes", "deepseek_v3"):  # a text marker, a special-token marker
+        tok, cache = grammars(TOKENIZER[fmt])
+        spec = at_most_one_call_spec(fmt, TOOLS, lambda s, t=tok: t.token_to_id(s) is not None)
+        call = EXPECTED[fmt]
+        assert matches(cache, tok, spec, "Let me check. " + call)
+        assert matches(cache, tok, spec, "No tool needed.") and matches(cache, tok, spec, call)
+        assert not matches(cache, tok, spec, call + call)
+        assert not matches(cache, tok, spec, call + " and more text")
     with pytest.raises(ConstraintError) as exc:
-        at_most_one_call_spec("deepseek_v3", TOOLS)
+        at_most_one_call_spec("none", TOOLS, lambda s: False)
     assert exc.value.param == "parallel_tool_calls"
 
 
