@@ -11,7 +11,10 @@
 3. Decode at B x context: KV bytes read, time (triton.testing.do_bench median, L2 flushed
    between calls), GB/s and % of copy bandwidth, per launch variant; the best is marked.
    "graph µs": the default launch replayed from a CUDA graph (do_bench_cudagraph: no host
-   launch cost, but no L2 flush either, so contexts whose KV fits in L2 read faster there).
+   launch cost, but no L2 flush either, so contexts whose KV fits in L2 read faster there);
+   "via prefill µs": the same rows through paged_prefill (a one-kernel mixed step).
+   Then the same decode on a 128k-token-wide table (the persistent-buffer case): partitions of
+   512 over the full width vs a fixed split per row (num_partitions=auto_num_partitions).
 4. Prefill of one 16k prompt and a 2k chunk after 14k cached: TFLOP/s over the causal pairs
    (2 matmuls x 2 flop x pairs x H x D) and % of the matmul rate.
 Tables print last; the exit code is 1 when a check failed. Change the variants below.
@@ -39,18 +42,28 @@ from tests.paged_cases import make_case, rel_err, torch_reference  # noqa: E402
 
 H, H_KV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-# name -> (launch, partition_size); the first is the default of triton_attention
-DECODE_VARIANTS: dict[str, tuple[ta.DecodeLaunch, int]] = {
+# name -> (launch, partition_size); the first is the default of triton_attention;
+# partition_size None: num_partitions=auto_num_partitions(...) (a fixed split per row)
+DECODE_VARIANTS: dict[str, tuple[ta.DecodeLaunch, int | None]] = {
     "n64 w4 s2 p512": (ta.DecodeLaunch(64, 4, 2), 512),
     "n128 w4 s2 p512": (ta.DecodeLaunch(128, 4, 2), 512),
     "n64 w4 s3 p256": (ta.DecodeLaunch(64, 4, 3), 256),
     "n128 w8 s2 p1024": (ta.DecodeLaunch(128, 8, 2), 1024),
+    "n64 w4 s2 autoP": (ta.DecodeLaunch(64, 4, 2), None),
 }
 PREFILL_VARIANTS: dict[str, ta.PrefillLaunch] = {
     "m128 n64 w8 s2": ta.PrefillLaunch(128, 64, 8, 2),
     "m64 n64 w4 s2": ta.PrefillLaunch(64, 64, 4, 2),
     "m128 n128 w8 s2": ta.PrefillLaunch(128, 128, 8, 2),
 }
+
+
+def split_kwargs(part: int | None, batch: int, max_blocks: int) -> dict[str, int]:
+    """paged_decode's split arguments for a variant's partition_size (None: auto fixed P)."""
+    if part is not None:
+        return {"partition_size": part}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {"num_partitions": ta.auto_num_partitions(batch, H_KV, max_blocks * BS, sms)}
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -91,10 +104,16 @@ def checks() -> list[str]:
             out = torch.full_like(dec.q, float("nan"))
             run = partial(
                 ta.paged_decode, dec.q, dec.cache[0], dec.cache[1], dec.block_tables,
-                dec.context_lens, dec.scale, out, sliding_window=window, partition_size=part,
-                launch=launch,
+                dec.context_lens, dec.scale, out, sliding_window=window, launch=launch,
+                **split_kwargs(part, *dec.block_tables.shape),
             )  # fmt: skip
             failures += check(f"decode {name} window={window}", run, out, ref)
+        out = torch.full_like(dec.q, float("nan"))
+        run = partial(
+            ta.paged_prefill, dec.q, dec.cache[0], dec.cache[1], dec.block_tables,
+            dec.query_start, dec.context_lens, 1, dec.scale, out, sliding_window=window,
+        )  # fmt: skip
+        failures += check(f"decode rows via paged_prefill window={window}", run, out, ref)
         ref = torch_reference(mix, window).double().cpu()
         for name, launch in PREFILL_VARIANTS.items():
             out = torch.full_like(mix.q, float("nan"))
@@ -104,11 +123,12 @@ def checks() -> list[str]:
                 launch=launch,
             )  # fmt: skip
             failures += check(f"prefill {name} window={window}", run, out, ref)
-    try:
-        failures += graph_check()
-    except Exception as e:  # report and go on to the tables
-        print(f"check FAIL decode CUDA-graph replay: {e!r}", flush=True)
-        failures.append(f"decode CUDA-graph replay: {e!r}")
+    for split in ({"partition_size": 512}, {"num_partitions": 12}):
+        try:
+            failures += graph_check(split)
+        except Exception as e:  # report and go on to the tables
+            print(f"check FAIL decode CUDA-graph replay {split}: {e!r}", flush=True)
+            failures.append(f"decode CUDA-graph replay {split}: {e!r}")
     return failures
 
 
@@ -125,7 +145,7 @@ def check(what: str, run: Callable[[], None], out: torch.Tensor, ref: torch.Tens
     return [] if ok else [f"{what}: {err:.2e}"]
 
 
-def graph_check() -> list[str]:
+def graph_check(split: dict[str, int]) -> list[str]:
     """Capture decode once, replay with new lengths and tables: same as eager, bit for bit."""
     case = make_case([1] * 8, [4000] * 8, heads=H, kv_heads=H_KV, head_dim=D, block_size=BS,
                      dtype=DTYPE, device="cuda", spare_blocks=64, seed=2)  # fmt: skip
@@ -133,7 +153,7 @@ def graph_check() -> list[str]:
     out = torch.empty_like(q)
 
     def step() -> None:
-        ta.paged_decode(q, case.cache[0], case.cache[1], tables, lens, case.scale, out)
+        ta.paged_decode(q, case.cache[0], case.cache[1], tables, lens, case.scale, out, **split)
 
     step()
     torch.cuda.synchronize()
@@ -146,8 +166,9 @@ def graph_check() -> list[str]:
     replayed = out.clone()
     step()
     same = bool(torch.equal(replayed, out))
-    print(f"check {'ok  ' if same else 'FAIL'} decode CUDA-graph replay == eager", flush=True)
-    return [] if same else ["decode CUDA-graph replay differs from eager"]
+    what = f"decode CUDA-graph replay == eager {split}"
+    print(f"check {'ok  ' if same else 'FAIL'} {what}", flush=True)
+    return [] if same else [what]
 
 
 def decode_table(batches: list[int], contexts: list[int], copy_bw: float) -> list[str]:
@@ -156,8 +177,8 @@ def decode_table(batches: list[int], contexts: list[int], copy_bw: float) -> lis
     names = list(DECODE_VARIANTS)
     rows = [
         "| B | context | KV MB | best | µs | GB/s | % copy BW | "
-        + " | ".join(f"{n} µs" for n in names) + " | graph µs | torch ref µs |",
-        "|---" * (9 + len(names)) + "|",
+        + " | ".join(f"{n} µs" for n in names) + " | graph µs | via prefill µs | torch ref µs |",
+        "|---" * (10 + len(names)) + "|",
     ]  # fmt: skip
     for b in batches:
         for ctx in contexts:
@@ -170,11 +191,16 @@ def decode_table(batches: list[int], contexts: list[int], copy_bw: float) -> lis
             times = {
                 name: bench_ms(partial(
                     ta.paged_decode, q, cache[0], cache[1], tables, lens, D**-0.5, out,
-                    partition_size=part, launch=launch,
+                    launch=launch, **split_kwargs(part, b, nb),
                 ))
                 for name, (launch, part) in DECODE_VARIANTS.items()
             }  # fmt: skip
             graph_ms = decode_graph_ms(q, cache, tables, lens, out)
+            # the same rows through the mixed-step kernel (no split-K, 16-row tiles)
+            q_start = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+            via_prefill_ms = bench_ms(partial(
+                ta.paged_prefill, q, cache[0], cache[1], tables, q_start, lens, 1, D**-0.5, out,
+            ))  # fmt: skip
             ref_ms = torch_decode_ms(q, cache, tables, lens)
             best = min(times, key=lambda n: (math.isnan(times[n]), times[n]))
             kv_bytes = b * ctx * H_KV * D * 2 * cache.element_size()
@@ -183,7 +209,7 @@ def decode_table(batches: list[int], contexts: list[int], copy_bw: float) -> lis
                 f"| {b} | {ctx} | {kv_bytes / 1e6:.1f} | {best} | {times[best] * 1e3:.1f} | "
                 f"{gbs:.0f} | {100 * gbs * 1e9 / copy_bw:.0f}% | "
                 + " | ".join(f"{times[n] * 1e3:.1f}" for n in names)
-                + f" | {graph_ms * 1e3:.1f} | {ref_ms * 1e3:.0f} |"
+                + f" | {graph_ms * 1e3:.1f} | {via_prefill_ms * 1e3:.1f} | {ref_ms * 1e3:.0f} |"
             )  # fmt: skip
             print(rows[-1], flush=True)
     return rows
@@ -203,6 +229,32 @@ def decode_graph_ms(
     except Exception as e:  # a capture problem must not hide the rest of the table
         print(f"graph timing failed: {e!r}", flush=True)
         return float("nan")
+
+
+def wide_table_rows(batches: list[int], contexts: list[int], width: int) -> list[str]:
+    """Persistent-buffer case: tables `width` tokens wide whatever the contexts are."""
+    cache = torch.randn(2, max(batches) * max(contexts) // BS + 8, BS, H_KV, D, dtype=DTYPE,
+                        device="cuda")  # fmt: skip
+    wide_blocks = width // BS
+    rows = [
+        f"| B | context | table width | p512 µs (P={wide_blocks * BS // 512}) | autoP µs | P |",
+        "|---" * 6 + "|",
+    ]
+    for b in batches:
+        for ctx in contexts:
+            nb = ctx // BS
+            tables = torch.zeros(b, wide_blocks, dtype=torch.int32, device="cuda")
+            tables[:, :nb] = torch.randperm(cache.shape[1], device="cuda")[: b * nb].view(b, nb)
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(b, H, D, dtype=DTYPE, device="cuda")
+            out = torch.empty_like(q)
+            run = partial(ta.paged_decode, q, cache[0], cache[1], tables, lens, D**-0.5, out)
+            auto = split_kwargs(None, b, wide_blocks)
+            p512_ms, auto_ms = bench_ms(run), bench_ms(partial(run, **auto))
+            rows.append(f"| {b} | {ctx} | {width} | {p512_ms * 1e3:.1f} | {auto_ms * 1e3:.1f} | "
+                        f"{auto['num_partitions']} |")  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
 
 
 def torch_decode_ms(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor,
@@ -264,6 +316,7 @@ def main() -> int:
     batches = [1, 8] if args.quick else [1, 8, 32, 64]
     contexts = [128, 1024] if args.quick else [128, 1024, 8192]
     decode = decode_table(batches, contexts, copy_bw)
+    wide = wide_table_rows(batches[1:] or batches, contexts[1:] or contexts, 131072)
     prefill_shapes = [(2048, 4096)] if args.quick else [(16384, 16384), (2048, 16384)]
     prefill = prefill_table(prefill_shapes, matmul)
     print(f"all done in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -274,6 +327,8 @@ def main() -> int:
           f"bf16 matmul 8192^3 {matmul / 1e12:.0f} TFLOP/s\n")  # fmt: skip
     print("### decode (one token per sequence, all at the same context)\n")
     print("\n".join(decode))
+    print("\n### decode on a 128k-token-wide block table (persistent buffers), same contexts\n")
+    print("\n".join(wide))
     print("\n### prefill (one sequence; causal pairs counted)\n")
     print("\n".join(prefill))
     print(f"\nchecks: {'all passed' if not failures else 'FAILED: ' + '; '.join(failures)}")

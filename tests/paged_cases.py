@@ -66,6 +66,31 @@ def make_case(
     )
 
 
+def poison_unused_slots(case: PagedCase) -> None:
+    """NaN into every cache slot no sequence owns (spare blocks, tails of last blocks), in place.
+
+    Kernels must never read them: a masked score times a NaN value is still NaN.
+    """
+    bs = case.cache.shape[2]
+    used = torch.zeros(case.cache.shape[1], bs, dtype=torch.bool)
+    tables = case.block_tables.long().cpu()
+    for s, ctx in enumerate(case.context_lens.tolist()):
+        pos = torch.arange(ctx)
+        used[tables[s, pos // bs], pos % bs] = True
+    case.cache[:, ~used.to(case.cache.device)] = float("nan")
+
+
+def drop_blocks_before_window(case: PagedCase, window: int) -> None:
+    """Point every table entry whose block lies wholly before all of its row's windows at an
+    unowned (after `poison_unused_slots`: NaN) block, as a server that frees them would."""
+    bs, num_blocks = case.cache.shape[2], case.cache.shape[1]
+    owned = set(case.block_tables.flatten().tolist())
+    spare = next(i for i in range(num_blocks) if i not in owned)
+    for s, (q_len, ctx) in enumerate(zip(case.query_lens, case.context_lens.tolist())):
+        first_seen = max(0, ctx - q_len - window + 1)  # lowest key the first query sees
+        case.block_tables[s, : first_seen // bs] = spare
+
+
 def reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tensor:
     """float64 [T, H, D]; a sequence with an empty context gets zeros."""
     q = case.q.double().cpu()
@@ -88,6 +113,8 @@ def reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tenso
         seen = pos[None, :] <= q_pos  # [Q, C]
         if sliding_window:
             seen &= pos[None, :] > q_pos - sliding_window
+        needed = seen.any(0)[:, None, None]  # keys no query sees may be freed (NaN): skip them
+        keys, values = torch.where(needed, keys, 0.0), torch.where(needed, values, 0.0)
         scores = torch.einsum("qhd,khd->hqk", q[rows], keys) * case.scale
         scores = scores.masked_fill(~seen[None], float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)

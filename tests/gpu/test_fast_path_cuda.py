@@ -129,3 +129,31 @@ def test_graph_replay_equals_eager_triton_and_batched_equals_solo(loaded: Loaded
         for k, row in enumerate(per_seq):
             scale = float(row.abs().max())
             torch.testing.assert_close(g_logits[k][i], row[0], rtol=0, atol=1e-2 * scale)
+
+
+def test_a_graphed_decode_step_syncs_only_at_the_readback(loaded: LoadedModel) -> None:
+    """Input upload (pinned, block-table diffs), graph replay and sampling never wait for
+    the device; the caller's one readback of the sampled ids is the step's only sync."""
+    r = runner(loaded, "triton", graphs=True)
+    pool = BlockPool(r.num_blocks)
+    tables = [BlockTable(r.block_size) for _ in range(3)]
+    for i, t in enumerate(tables):
+        t.ensure(pool, 40)
+        r.step([SeqInput(list(range(1, 31 + i)), 0, t.blocks)])
+
+    def seqs(n: int) -> list[SeqInput]:
+        return [
+            SeqInput([5], n + i, t.blocks, seq_id=i + 1, table_epoch=t.epoch)
+            for i, t in enumerate(tables)
+        ]
+
+    r.step(seqs(30))  # captures the graph of this shape
+    batch = seqs(31)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = r._decode_logits(batch).float()
+        ids = r.sampler.sample(logits, [s.sampling for s in batch], [0, 0, 0], [(), (), ()])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(ids.tolist()) == 3

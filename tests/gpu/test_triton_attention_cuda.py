@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.paged_cases import PagedCase, make_case, reference, rel_err, torch_reference
+from tests.paged_cases import (
+    PagedCase,
+    make_case,
+    poison_unused_slots,
+    reference,
+    rel_err,
+    torch_reference,
+)
 
 pytestmark = pytest.mark.cuda
 ta = pytest.importorskip("ds4pool.model.kernels.triton_attention")
@@ -59,13 +66,32 @@ def test_decode_matches_torch_backend(
 def test_decode_padding_rows_write_zeros() -> None:
     case = make_case([1] * 4, [0, 900, 0, 5], **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
                      device="cuda")  # fmt: skip
+    poison_unused_slots(case)  # NaN wherever no row's context reaches: never read
     out = run_decode(case, partition_size=256)
     assert (out[[0, 2]] == 0).all() and torch.isfinite(out).all()
     assert rel_err(out, reference(case)) < 1e-2
 
 
+@pytest.mark.parametrize("window", [None, 500])
+def test_decode_fixed_partitions_on_a_wide_table(window: int | None) -> None:
+    """num_partitions: each row splits its own context; the table is 4x wider than needed."""
+    ctx = [1, 40, 700, 3000, 0, 129]
+    case = make_case([1] * len(ctx), ctx, **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=4)  # fmt: skip
+    wide = torch.zeros(len(ctx), 4 * case.block_tables.shape[1], dtype=torch.int32, device="cuda")
+    wide[:, : case.block_tables.shape[1]] = case.block_tables
+    case = PagedCase(case.q, case.cache, wide, case.query_start, case.context_lens,
+                     case.query_lens, case.scale)  # fmt: skip
+    poison_unused_slots(case)
+    parts = ta.auto_num_partitions(len(ctx), 8, wide.shape[1] * 16, 132)
+    out = run_decode(case, window, num_partitions=parts)
+    assert torch.isfinite(out).all() and (out[4] == 0).all()
+    assert rel_err(out, reference(case, window)) < 1e-2
+
+
 def test_decode_fp32_uses_exact_dots() -> None:
     case = make_case([1] * 3, [70, 1500, 9], **LLAMA3_8B, block_size=16, device="cuda")
+    poison_unused_slots(case)
     assert rel_err(run_decode(case), reference(case)) < 1e-5
 
 
@@ -80,6 +106,16 @@ def test_prefill_mixed_step_matches_torch_backend(window: int | None) -> None:
     ref = torch_reference(case, window)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.double().cpu()) < 1e-2
+
+
+def test_decode_rows_through_prefill_kernel() -> None:
+    """A decode-only step through paged_prefill (16-row tiles) agrees with paged_decode."""
+    ctx = [1, 17, 513, 4000, 2049, 64]
+    case = make_case([1] * len(ctx), ctx, **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=3)  # fmt: skip
+    via_prefill = run_prefill(case)
+    assert rel_err(via_prefill, run_decode(case).double().cpu()) < 1e-2
+    assert rel_err(via_prefill, reference(case)) < 1e-2
 
 
 def test_prefill_d64_block32() -> None:

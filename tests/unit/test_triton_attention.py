@@ -33,6 +33,7 @@ class Case:
     block_n: int = 16
     block_m: int = 32  # prefill only
     partition_size: int = 512  # decode only
+    num_partitions: int | None = None  # decode: a fixed split per row instead of partition_size
     window: int | None = None
     strided_q: bool = False  # q as a slice of a wider (fused qkv-like) buffer
     dtype: str = "float32"  # float16 too; the interpreter's bf16 tl.dot is broken (triton 3.9)
@@ -55,6 +56,14 @@ CASES: dict[str, Case] = {
     "decode_reduce_chunks": Case(
         "decode", [300, 2, 161], heads=4, partition_size=16, workspace=True
     ),
+    # a fixed number of partitions per row, sized from each row's own context at run time
+    "decode_fixed_p": Case("decode", [1, 17, 40, 0, 100, 300], heads=4, num_partitions=3),
+    "decode_fixed_p_window": Case(
+        "decode", [1, 20, 50, 97, 0, 260], heads=4, kv_heads=1, num_partitions=4, window=40
+    ),
+    "decode_fixed_p1_window": Case(
+        "decode", [3, 70, 0], heads=4, kv_heads=1, num_partitions=1, window=33, workspace=True
+    ),
     # one partition: the main kernel writes the output itself (incl. zeros for context 0)
     "decode_g8_bs32_direct": Case("decode", [33, 0, 64, 91], kv_heads=1, block_size=32, block_n=64),
     "decode_window_splitk": Case(
@@ -71,6 +80,13 @@ CASES: dict[str, Case] = {
     "prefill_decode_rows": Case("prefill", [1, 37, 50], [1, 1, 1], block_m=128),
     # a window wide enough for unmasked tiles between its edge and the diagonal
     "prefill_window_mid": Case("prefill", [130, 70], [100, 70], kv_heads=1, window=40),
+    # key tiles of 4 paged blocks: a tile's aligned start reaches blocks freed before the window
+    "prefill_window_wide_tiles": Case(
+        "prefill", [200, 90], [60, 90], kv_heads=1, block_n=64, window=50
+    ),
+    "decode_window_wide_tiles": Case(
+        "decode", [300, 130, 7], block_n=64, partition_size=128, window=70
+    ),
     "decode_fp16_int64": Case(
         "decode", [5, 70, 0, 33], partition_size=32, dtype="float16", index64=True
     ),
@@ -84,7 +100,13 @@ def _run_case(name: str) -> dict:
     import torch
 
     from ds4pool.model.kernels import triton_attention as ta
-    from tests.paged_cases import make_case, reference, rel_err
+    from tests.paged_cases import (
+        drop_blocks_before_window,
+        make_case,
+        poison_unused_slots,
+        reference,
+        rel_err,
+    )
 
     c = CASES[name]
     q_lens = c.query_lens or [1] * len(c.context_lens)
@@ -99,6 +121,9 @@ def _run_case(name: str) -> dict:
             query_start=case.query_start.long(),
             context_lens=case.context_lens.long(),
         )
+    poison_unused_slots(case)  # the kernels must not read past a row's context
+    if c.window:  # nor blocks before every query's window
+        drop_blocks_before_window(case, c.window)
     q = case.q
     if c.strided_q:  # row stride != H * D
         wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], dtype=q.dtype)
@@ -107,11 +132,14 @@ def _run_case(name: str) -> dict:
     out = torch.full_like(case.q, float("nan"))  # unwritten elements stay NaN
     k_cache, v_cache = case.cache[0], case.cache[1]
     if c.kind == "decode":
-        parts = ta.decode_num_partitions(case.block_tables.shape[1], c.block_size, c.partition_size)
+        parts = c.num_partitions or ta.decode_num_partitions(
+            case.block_tables.shape[1], c.block_size, c.partition_size
+        )
         workspace = ta.decode_workspace(q.shape[0] + 5, c.heads, c.head_dim, parts, q.device)
         ta.paged_decode(
             q, k_cache, v_cache, case.block_tables, case.context_lens, case.scale, out,
             sliding_window=c.window, partition_size=c.partition_size,
+            num_partitions=c.num_partitions,
             launch=ta.DecodeLaunch(block_n=c.block_n), workspace=workspace if c.workspace else None,
         )  # fmt: skip
     else:

@@ -41,7 +41,8 @@ def compile_sm90(fn: object, consts: dict, num_warps: int, num_stages: int) -> o
             )
         else:
             sig[p.name] = "fp32" if p.name == "scale_log2" else "i32"
-        if p.name.endswith("_ptr") or p.name.startswith("stride"):
+        aligned = p.name.endswith("_ptr") or p.name.startswith("stride")
+        if aligned and not p.do_not_specialize:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
     opts = dict(num_warps=num_warps, num_stages=num_stages)
@@ -52,18 +53,21 @@ def async_copies(kernel: object) -> int:
     return kernel.asm["ttgir"].count("async_copy_global_to_local")  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("split, window", [(True, False), (False, True)])
-def test_decode_compiles_pipelined(split: bool, window: bool) -> None:
+@pytest.mark.parametrize(
+    "split, window, fixed_p", [(True, False, False), (False, True, False), (True, True, True)]
+)
+def test_decode_compiles_pipelined(split: bool, window: bool, fixed_p: bool) -> None:
     launch = ta.DEFAULT_DECODE
     consts = dict(H=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
-                  PARTITION=ta.DEFAULT_PARTITION, SPLIT=split, USE_WINDOW=window,
+                  PARTITION=ta.DEFAULT_PARTITION, FIXED_P=fixed_p, SPLIT=split, USE_WINDOW=window,
                   PRECISION="tf32")  # fmt: skip
     kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
 
 
 def test_decode_reduce_compiles() -> None:
-    consts = dict(H=32, D=128, D_PAD=128, PARTITION=512, P_CHUNK=16, USE_WINDOW=False)
+    consts = dict(H=32, D=128, D_PAD=128, PARTITION=512, BLOCK_N=64, FIXED_P=True, P_CHUNK=16,
+                  USE_WINDOW=True)  # fmt: skip
     compile_sm90(dk.decode_reduce_kernel, consts, 4, 2)
 
 

@@ -8,7 +8,9 @@ import triton.language as tl
 from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
 
 
-@triton.jit
+# Values that change from step to step (table width, partition count) are not specialised on
+# (divisibility, == 1), so a new batch shape does not recompile the kernel.
+@triton.jit(do_not_specialize=["window", "stride_tb", "num_parts"])
 def decode_kernel(
     q_ptr,
     k_ptr,
@@ -40,6 +42,7 @@ def decode_kernel(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
+    FIXED_P: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -51,9 +54,15 @@ def decode_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
+    # partition p covers [base + p * length, base + (p + 1) * length); BLOCK_N aligned
+    base = 0
+    length = PARTITION
+    if FIXED_P:  # num_parts partitions per row, sized at run time from this row's context
+        base = (lo // BLOCK_N) * BLOCK_N
+        length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
     # visible keys of this program: [max(p_start, lo), p_end)
-    p_start = part * PARTITION
-    p_end = tl.minimum(p_start + PARTITION, ctx)
+    p_start = base + part * length
+    p_end = tl.minimum(p_start + length, ctx)
     first = tl.maximum(p_start, lo)
     if SPLIT:
         # the reduce kernel skips these partitions by the same test; with one partition the
@@ -101,7 +110,7 @@ def decode_kernel(
         tl.store(part_lse_ptr + slot, lse, mask=g < G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_parts"])
 def decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -115,6 +124,8 @@ def decode_reduce_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PARTITION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FIXED_P: tl.constexpr,
     P_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr,
 ):
@@ -124,15 +135,21 @@ def decode_reduce_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
-    base = (b * H + h) * num_parts
+    # the partition bounds of decode_kernel
+    base = 0
+    length = PARTITION
+    if FIXED_P:
+        base = (lo // BLOCK_N) * BLOCK_N
+        length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
+    row = (b * H + h) * num_parts
     # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
     # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials
     top_c = tl.full([P_CHUNK], float("-inf"), tl.float32)
     for c in range(0, num_parts, P_CHUNK):
         p = c + tl.arange(0, P_CHUNK)
-        # partition p ran iff [p * PARTITION, (p + 1) * PARTITION) meets [lo, ctx)
-        ran = (p < num_parts) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
-        lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))
+        # partition p ran iff its range meets the visible keys [lo, ctx)
+        ran = (p < num_parts) & (base + p * length < ctx) & (base + (p + 1) * length > lo)
+        lse = tl.load(part_lse_ptr + row + p, mask=ran, other=float("-inf"))
         top_c = tl.maximum(top_c, lse)
     top = tl.max(top_c, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -143,11 +160,11 @@ def decode_reduce_kernel(
     total = tl.zeros([P_CHUNK], tl.float32)
     for c in range(0, num_parts, P_CHUNK):
         p = c + tl.arange(0, P_CHUNK)
-        ran = (p < num_parts) & (p * PARTITION < ctx) & ((p + 1) * PARTITION > lo)
-        lse = tl.load(part_lse_ptr + base + p, mask=ran, other=float("-inf"))
+        ran = (p < num_parts) & (base + p * length < ctx) & (base + (p + 1) * length > lo)
+        lse = tl.load(part_lse_ptr + row + p, mask=ran, other=float("-inf"))
         w = tl.where(ran, tl.exp2(lse - top), 0.0)  # [P_CHUNK]
         o = tl.load(
-            part_out_ptr + (base + p)[:, None] * D + d[None, :],
+            part_out_ptr + (row + p)[:, None] * D + d[None, :],
             mask=ran[:, None] & d_mask[None, :],
             other=0.0,
         )  # [P_CHUNK, D_PAD]

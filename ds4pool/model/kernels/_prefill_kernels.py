@@ -27,7 +27,8 @@ def attend_range(
     stride_vh,
     start,
     end,  # key tiles k0 in range(start, end, BLOCK_N)
-    last,  # keys past the tile's last query position are not loaded
+    first_key,  # keys outside [first_key, last] are not loaded: before every row's window
+    last,  # (their blocks may be freed) or past the tile's last query position
     scale_log2,
     window,
     d,
@@ -40,7 +41,7 @@ def attend_range(
 ):
     for k0 in range(start, end, BLOCK_N):
         t = k0 + tl.arange(0, BLOCK_N)
-        in_ctx = t <= last  # [BLOCK_N]
+        in_ctx = (t >= first_key) & (t <= last)  # [BLOCK_N]
         k = load_kv_tile(
             k_ptr, table_row, t, in_ctx, kv_head, stride_kn, stride_kt, stride_kh, d, d_mask, BS
         )
@@ -57,7 +58,8 @@ def attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+# the table width changes from step to step: no divisibility specialisation, no recompile
+@triton.jit(do_not_specialize=["window", "stride_ts"])
 def prefill_kernel(
     q_ptr,
     k_ptr,
@@ -120,10 +122,12 @@ def prefill_kernel(
     # [k_diag, pos_last] masked: the causal diagonal
     # tiles above pos_last are never visited
     k_diag = ((pos_first + 1) // BLOCK_N) * BLOCK_N
+    k_lo = 0  # the first key any row of the tile sees
     k_start = 0
     k_mid = 0
     if USE_WINDOW:
-        k_start = (tl.maximum(pos_first - window + 1, 0) // BLOCK_N) * BLOCK_N
+        k_lo = tl.maximum(pos_first - window + 1, 0)
+        k_start = (k_lo // BLOCK_N) * BLOCK_N
         # first tile whose keys all lie inside the last row's window, i.e. k0 > pos_last - window
         k_mid = tl.minimum(tl.maximum(pos_last - window + BLOCK_N, k_start) // BLOCK_N * BLOCK_N,
                            k_diag)  # fmt: skip
@@ -135,19 +139,19 @@ def prefill_kernel(
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
         stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-        k_start, k_mid, pos_last, scale_log2, window, d, d_mask,
+        k_start, k_mid, k_lo, pos_last, scale_log2, window, d, d_mask,
         BS, BLOCK_N, True, USE_WINDOW, PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
         stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-        k_mid, k_diag, pos_last, scale_log2, window, d, d_mask,
+        k_mid, k_diag, k_lo, pos_last, scale_log2, window, d, d_mask,
         BS, BLOCK_N, False, USE_WINDOW, PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
         stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-        k_diag, pos_last + 1, pos_last, scale_log2, window, d, d_mask,
+        k_diag, pos_last + 1, k_lo, pos_last, scale_log2, window, d, d_mask,
         BS, BLOCK_N, True, USE_WINDOW, PRECISION,
     )  # fmt: skip
 

@@ -17,7 +17,10 @@ grid (B, H_kv, P). Each program runs an online softmax over its partition with a
 output normalised by its own sum plus the partition's log-sum-exp. A small reduce kernel,
 grid (B, H), combines the P partials with weights exp(lse_p - max lse). When P == 1 the main
 kernel writes the output directly and no reduce runs. P is a runtime argument (only "P > 1"
-is a compile-time flag), so new context buckets do not recompile the kernels.
+is a compile-time flag), so new context buckets do not recompile the kernels. With a wide
+persistent block table (sized for the longest context) and short contexts, most of those P
+programs would exit at once; `num_partitions=` fixes P instead and each row cuts its own
+visible context into P equal pieces at run time (still one grid per shape, graph safe).
 
 Prefill is compute bound: flash-attention tiles of BLOCK_M query rows x BLOCK_N keys, where
 the M rows fold BLOCK_M // G query tokens x G heads of one kv head (row m is token m // G,
@@ -39,6 +42,11 @@ Scratch for the partials is allocated with torch.empty in the call (captured gra
 allocation in their private pool) unless a `DecodeWorkspace` is passed.
 
 Accumulation is fp32 for bf16/fp16 inputs; fp32 inputs use IEEE fp32 dots (no TF32).
+
+This module is the API (launch parameters, shape checks, grids); the kernels live in
+`_decode_kernels`, `_prefill_kernels` and `_tiles` (paged tile loads, online-softmax step).
+tests/unit/test_triton_compile.py compiles them for sm_90 on a CPU-only machine and checks
+that the K/V loads are software-pipelined.
 """
 
 from __future__ import annotations
@@ -110,6 +118,16 @@ def decode_num_partitions(max_blocks: int, block_size: int, partition_size: int)
     return max(1, -(-max_blocks * block_size // partition_size))
 
 
+def auto_num_partitions(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """A `num_partitions` for `paged_decode` from shapes only (graph safe).
+
+    About 4 programs per SM, no more partitions than 256-token pieces of the table's full
+    width (max_tokens = max_blocks * block_size), at most 256.
+    """
+    want = -(-4 * num_sms // max(1, batch * kv_heads))
+    return max(1, min(want, -(-max_tokens // 256), 256))
+
+
 def decode_workspace(
     batch: int, heads: int, head_dim: int, num_partitions: int, device: torch.device
 ) -> DecodeWorkspace:
@@ -134,10 +152,18 @@ def paged_decode(
     *,
     sliding_window: int | None = None,
     partition_size: int = DEFAULT_PARTITION,
+    num_partitions: int | None = None,
     launch: DecodeLaunch = DEFAULT_DECODE,
     workspace: DecodeWorkspace | None = None,
 ) -> None:
-    """Attention of one query token per sequence over its paged context (split-K)."""
+    """Attention of one query token per sequence over its paged context (split-K).
+
+    By default the context splits into partitions of `partition_size` tokens, as many as the
+    table width allows (P = ceil(max_blocks * bs / partition_size)). With `num_partitions`
+    instead, every row splits its own visible context into that many equal, BLOCK_N-aligned
+    partitions at run time: the grid stays fixed (graph safe) while wide persistent tables with
+    short contexts launch no idle programs (see `auto_num_partitions`).
+    """
     n_heads, h_kv, d = _check_common(q, k_cache, v_cache, out)
     batch, max_blocks = block_tables.shape
     bs = k_cache.shape[1]
@@ -147,7 +173,11 @@ def paged_decode(
     if batch == 0:
         return
     g = n_heads // h_kv
+    fixed_p = num_partitions is not None
     num_parts = decode_num_partitions(max_blocks, bs, partition_size)
+    if num_partitions is not None:
+        num_parts = num_partitions
+    assert num_parts >= 1, num_parts
     if workspace is None and num_parts > 1:
         workspace = decode_workspace(batch, n_heads, d, num_parts, q.device)
     if workspace is not None:
@@ -168,7 +198,7 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_parts,
         H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
-        BLOCK_N=launch.block_n, PARTITION=partition_size, SPLIT=num_parts > 1,
+        BLOCK_N=launch.block_n, PARTITION=partition_size, FIXED_P=fixed_p, SPLIT=num_parts > 1,
         USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
@@ -176,7 +206,8 @@ def paged_decode(
         return
     decode_reduce_kernel[(batch, n_heads)](
         part_out, part_lse, context_lens, out, window, out.stride(0), out.stride(1), num_parts,
-        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, P_CHUNK=16,
+        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, BLOCK_N=launch.block_n,
+        FIXED_P=fixed_p, P_CHUNK=16,
         USE_WINDOW=window > 0, num_warps=4,
     )  # fmt: skip
 
@@ -195,7 +226,10 @@ def paged_prefill(
     sliding_window: int | None = None,
     launch: PrefillLaunch = DEFAULT_PREFILL,
 ) -> None:
-    """Causal varlen attention of each sequence's new tokens over its paged context."""
+    """Causal varlen attention of each sequence's new tokens over its paged context.
+
+    max_query_len must be >= every q_len (it sizes the grid; rows past it are not computed).
+    """
     n_heads, h_kv, d = _check_common(q, k_cache, v_cache, out)
     n_seqs = block_tables.shape[0]
     assert query_start.shape[0] == n_seqs + 1 == context_lens.shape[0] + 1
