@@ -65,18 +65,22 @@ class Constraint:
 
 
 class GrammarCache:
-    """Compiles specs for one tokenizer and model vocabulary; a bounded LRU by spec.
+    """Compiles specs for one tokenizer and model vocabulary; an LRU by spec, bounded in bytes.
 
     Thread-safe: the API compiles in worker threads, never on the event loop.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_entries: int = 256) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_bytes: int = 256 << 20) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
         info = _tokenizer_info(xgr, tokenizer, vocab_size)
+        # xgrammar's own cache is unbounded by default: ours is bounded by compiled bytes
+        # (0.1-0.6 MB for typical schemas and tool sets at a 152k vocabulary)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: LRUCache[GrammarSpec, Constraint] = LRUCache(maxsize=max_entries)
+        self._cache: LRUCache[GrammarSpec, Constraint] = LRUCache(
+            maxsize=max_bytes, getsizeof=lambda c: max(1, c.compiled.memory_size_bytes)
+        )
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> Constraint:
@@ -90,8 +94,9 @@ class GrammarCache:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's rejections
             raise GrammarError(f"{spec.param}: {_first_line(exc)}", spec.param) from None
         constraint = Constraint(spec, compiled)
-        with self._lock:
-            self._cache[spec] = constraint
+        if compiled.memory_size_bytes < self._cache.maxsize:  # else LRUCache would raise
+            with self._lock:
+                self._cache[spec] = constraint
         return constraint
 
     def _compile(self, spec: GrammarSpec) -> Any:

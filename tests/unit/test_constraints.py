@@ -162,3 +162,16 @@ def test_length_bounded_strings_stay_valid_json() -> None:
         cache, tok, spec, '{"s": "abcde"}'
     )
     assert schema["properties"]["s"]["maxLength"] == 4  # the caller's schema is not modified
+
+
+def test_compile_cache_is_bounded_in_bytes() -> None:
+    tok = grammars("qwen3")[0]
+    cache = GrammarCache(tok, tok.vocab_size, max_bytes=300_000)  # ~2 small grammars
+    specs = [
+        json_schema_spec({"type": "object", "properties": {f"k{i}": {}}}, "s") for i in range(4)
+    ]
+    first = cache.compile(specs[0])
+    assert cache.compile(specs[0]) is first  # a hit: not compiled again
+    for spec in specs[1:]:
+        cache.compile(spec)
+    assert cache.compile(specs[0]) is not first  # evicted by the byte bound, compiled again
