@@ -170,16 +170,17 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     stops = tuple(data.stop_sequences or ())
     if any(not s for s in stops):
         raise ApiError(400, "stop_sequences must be non-empty strings")
+    prompt_text = _render(state, data.system, data.messages, data.tools)
     req = Request(
         tenant=tenant.name,
         session_id=session_id_of(request),
-        prompt_text=_render(state, data.system, data.messages, data.tools),
+        prompt_text=prompt_text,
         sampling=sampling_from(temperature=data.temperature, top_p=data.top_p, top_k=data.top_k),
         max_tokens=check_max_tokens(data.max_tokens, engine, "max_tokens"),
         stop=stops,
         priority=priority_of(request, data.priority, tenant),
         endpoint="messages",
-        constraint=await messages_constraint(engine, data),
+        constraint=await messages_constraint(engine, data, prompt_text),
     )
     gen = await start(request, state, req, tenant)
     mid = f"msg_{uuid.uuid4().hex}"

@@ -19,21 +19,28 @@ from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.output.constraints import (
     ConstraintError,
     FunctionTool,
+    after_open_reasoning,
     check_schema_size,
     json_object_spec,
     json_schema_spec,
     parse_tools,
+    reasoning_open,
 )
 from ds4pool.output.detect import detect_tool_format
 from ds4pool.output.tool_grammar import at_most_one_call_spec, no_tool_call_spec, tool_call_spec
 
 
-async def constrain(engine: Engine, build: Callable[[], GrammarSpec | None]) -> Constraint | None:
+async def constrain(
+    engine: Engine, build: Callable[[], GrammarSpec | None], prompt_text: str = ""
+) -> Constraint | None:
     """Build the spec and compile it in a worker thread (both grow with the request's
-    schemas); a field ds4pool cannot honour is a 400 naming it."""
+    schemas); a field ds4pool cannot honour is a 400 naming it. If the rendered prompt
+    opened a reasoning block, the constraint starts after the model closes it."""
 
     def run() -> Constraint | None:
         spec = build()
+        if spec is not None and reasoning_open(prompt_text):
+            spec = after_open_reasoning(spec)
         return None if spec is None else engine.compile_constraint(spec)
 
     try:
@@ -131,14 +138,16 @@ def chat_spec(tokenizer: Tokenizer, data: ChatCompletionRequest) -> GrammarSpec 
     return spec
 
 
-async def chat_constraint(engine: Engine, data: ChatCompletionRequest) -> Constraint | None:
+async def chat_constraint(
+    engine: Engine, data: ChatCompletionRequest, prompt_text: str
+) -> Constraint | None:
     if (
         data.tool_choice is None
         and data.response_format is None
         and not (data.parallel_tool_calls is False and data.tools)
     ):
         return None  # the common case pays no thread hop
-    return await constrain(engine, lambda: chat_spec(engine.tokenizer, data))
+    return await constrain(engine, lambda: chat_spec(engine.tokenizer, data), prompt_text)
 
 
 def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
@@ -177,10 +186,12 @@ def messages_spec(tokenizer: Tokenizer, data: MessagesRequest) -> GrammarSpec | 
     return tool_spec(tokenizer, names[kind], tools, name=name, parallel=parallel)
 
 
-async def messages_constraint(engine: Engine, data: MessagesRequest) -> Constraint | None:
+async def messages_constraint(
+    engine: Engine, data: MessagesRequest, prompt_text: str
+) -> Constraint | None:
     if data.tool_choice is None:
         return None
-    return await constrain(engine, lambda: messages_spec(engine.tokenizer, data))
+    return await constrain(engine, lambda: messages_spec(engine.tokenizer, data), prompt_text)
 
 
 # ------------------------------------------------------------------ Responses API helpers
@@ -234,6 +245,7 @@ async def responses_constraint(
     tool_choice: object,
     tools: list[dict[str, Any]] | None,
     parallel_tool_calls: bool | None = None,
+    prompt_text: str = "",
 ) -> Constraint | None:
     """responses_spec, built and compiled off the event loop (400s name the field)."""
     return await constrain(
@@ -241,4 +253,5 @@ async def responses_constraint(
         lambda: responses_spec(
             engine.tokenizer, text_format, tool_choice, tools, parallel_tool_calls
         ),
+        prompt_text,
     )

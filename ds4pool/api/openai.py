@@ -188,7 +188,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         data.max_completion_tokens or data.max_tokens,
         prompt_text=prompt_text,
     )
-    req.constraint = await chat_constraint(engine, data)
+    req.constraint = await chat_constraint(engine, data, prompt_text)
     gen = await start(request, state, req, tenant)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if data.stream:

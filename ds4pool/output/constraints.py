@@ -140,3 +140,26 @@ def _is_count(value: object) -> bool:
 def json_object_spec(param: str) -> GrammarSpec:
     """Output is one JSON object (any keys)."""
     return GrammarSpec("json_object", "", param)
+
+
+def reasoning_open(prompt_text: str) -> bool:
+    """Did the rendered prompt open a <think> block it does not close (templates of
+    reasoning models that start the reply inside it)? Then the reply's format begins after
+    the model's </think>."""
+    return prompt_text.rfind("<think>") > prompt_text.rfind("</think>")
+
+
+def after_open_reasoning(spec: GrammarSpec) -> GrammarSpec:
+    """`spec`, preceded by free reasoning text up to </think> (and its blank line): the
+    constraint governs the answer, not the reasoning inside the block the prompt opened."""
+    if spec.kind == "structural_tag":
+        body = json.loads(spec.source)["format"]
+    else:
+        schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+        body = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}
+    gap = {"type": "optional", "content": {"type": "const_string", "value": "\n\n"}}
+    fmt = {"type": "sequence", "elements": [think, gap, body]}
+    return GrammarSpec(
+        "structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), spec.param
+    )

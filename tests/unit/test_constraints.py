@@ -6,7 +6,13 @@ import pytest
 
 from ds4pool.model.grammar import GrammarCache, GrammarError, GrammarSpec
 from ds4pool.model.tokenizer import Tokenizer
-from ds4pool.output.constraints import ConstraintError, json_schema_spec, parse_tools
+from ds4pool.output.constraints import (
+    ConstraintError,
+    after_open_reasoning,
+    json_schema_spec,
+    parse_tools,
+    reasoning_open,
+)
 from ds4pool.output.detect import detect_tool_format
 from ds4pool.output.tool_grammar import at_most_one_call_spec, no_tool_call_spec, tool_call_spec
 from tests.real_tokenizers import real_tokenizer_dir
@@ -175,3 +181,18 @@ def test_compile_cache_is_bounded_in_bytes() -> None:
     for spec in specs[1:]:
         cache.compile(spec)
     assert cache.compile(specs[0]) is not first  # evicted by the byte bound, compiled again
+
+
+def test_constraint_starts_after_a_reasoning_block_the_prompt_opened() -> None:
+    tok, cache = grammars("qwen3")
+    user = [{"role": "user", "content": "hi"}]
+    closed = tok.apply_chat_template(user, enable_thinking=False)  # "<think>\n\n</think>\n\n"
+    assert not reasoning_open(closed) and reasoning_open(closed + "<think>\n")
+    assert not reasoning_open(tok.apply_chat_template(user))  # the model may open one itself
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = after_open_reasoning(json_schema_spec(schema, "schema"))
+    assert matches(cache, tok, spec, 'So a is one.</think>\n\n{"a": 1}')
+    assert not matches(cache, tok, spec, '{"a": 1}')  # still inside the reasoning block
+    assert not matches(cache, tok, spec, "done.</think>\n\nno JSON")
+    call = tool_call_spec("hermes", TOOLS, lambda s: tok.token_to_id(s) is not None)
+    assert matches(cache, tok, after_open_reasoning(call), "hmm</think>\n\n" + EXPECTED["hermes"])
