@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds4pool.api.errors import ApiError
-from ds4pool.api.schemas import ChatCompletionRequest, MessagesRequest
+from ds4pool.api.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 from ds4pool.engine import Engine
 from ds4pool.model.grammar import Constraint, GrammarError, GrammarSpec
 from ds4pool.model.tokenizer import Tokenizer
@@ -148,6 +148,13 @@ async def chat_constraint(
     ):
         return None  # the common case pays no thread hop
     return await constrain(engine, lambda: chat_spec(engine.tokenizer, data), prompt_text)
+
+
+async def completion_constraint(engine: Engine, data: CompletionRequest) -> Constraint | None:
+    """Legacy completions take chat's response_format (an extension, as vLLM's)."""
+    if data.response_format is None:
+        return None
+    return await constrain(engine, lambda: response_format_spec(data.response_format))
 
 
 def _anthropic_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:

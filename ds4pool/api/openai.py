@@ -29,7 +29,7 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.config import TenantConfig
-from ds4pool.api.constraints import chat_constraint
+from ds4pool.api.constraints import chat_constraint, completion_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ds4pool.sched.request import Event, Request
@@ -290,6 +290,7 @@ async def completions(request: HttpRequest, data: CompletionRequest) -> Response
     req = _sampling_request(data, request, state, tenant, "completions", data.max_tokens, **kw)
     if req.max_tokens == state.ready_engine().runner.max_model_len and data.max_tokens is None:
         req.max_tokens = 16  # OpenAI's default for legacy completions
+    req.constraint = await completion_constraint(state.ready_engine(), data)
     gen = await start(request, state, req, tenant)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if data.stream:

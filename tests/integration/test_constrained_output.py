@@ -96,6 +96,25 @@ def test_json_schema_is_obeyed_streaming_or_not(server: Server) -> None:
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == content
 
 
+def test_completions_response_format(server: Server) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA}}
+    c = oai(server)
+    r = c.completions.create(
+        model="demo",
+        prompt="Forecast:",
+        max_tokens=200,
+        seed=4,
+        extra_body={"response_format": fmt},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(
+            model="demo", prompt="x", max_tokens=5, extra_body={"response_format": {"type": "x"}}
+        )
+    assert exc.value.body["param"] == "response_format.type"  # type: ignore[index]
+
+
 def test_json_object(server: Server) -> None:
     r = oai(server).chat.completions.create(
         model="demo",
