@@ -158,6 +158,11 @@ class GrammarState:
         """The grammar is complete and a stop token was accepted."""
         return bool(self._matcher.is_terminated())
 
+    @property
+    def completed(self) -> bool:
+        """The output so far is a complete match (a stop token would be accepted now)."""
+        return bool(self._matcher.is_completed())
+
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")

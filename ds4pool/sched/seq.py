@@ -96,7 +96,8 @@ class Seq:
         if self._stop_at() is not None:
             return "stop"
         if len(self.output_ids) >= self.max_tokens:
-            return "length"
+            # out of tokens exactly where the grammar may end: the output is whole
+            return "stop" if self.grammar is not None and self.grammar.completed else "length"
         return None
 
     def _stop_at(self) -> int | None:

@@ -115,6 +115,11 @@ def test_grammar_end_stops_even_with_ignore_eos_and_length_cuts(
     jsonschema.validate(json.loads(text), SCHEMA)
     [(cut, reason)] = run(engine, [Request(**base, max_tokens=5, constraint=constraint)])  # type: ignore[arg-type]
     assert reason == "length" and text.startswith(cut)
+    # max_tokens = exactly the JSON's tokens: whole, so "stop" (not "length")
+    req = Request(**base, max_tokens=200, constraint=constraint)  # type: ignore[arg-type]
+    n = len(engine.submit(req).collect(timeout=60)[1])  # the tokens it sampled, eos excluded
+    [(exact, reason)] = run(engine, [Request(**base, max_tokens=n, constraint=constraint)])  # type: ignore[arg-type]
+    assert exact == text and reason == "stop"
 
 
 def test_forced_tool_call_in_the_demo_template_format(loaded: LoadedModel, engine: Engine) -> None:
