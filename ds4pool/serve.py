@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4pool.errors import Ds4poolError
+from ds4pool.output.detect import REASONING_FORMATS, TOOL_FORMATS
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -168,11 +169,27 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         help="cancel requests running longer (0: no limit)",
     )
     _flag(s, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    o = p.add_argument_group("model output")
+    _flag(
+        o,
+        "--tool-parser",
+        default="auto",
+        choices=["auto", *TOOL_FORMATS],
+        help="tool-call format of the model's output (auto: from its chat template and tokens)",
+    )
+    _flag(
+        o,
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", *REASONING_FORMATS],
+        help="reasoning blocks (<think>) in the model's output (auto: from its template/tokens)",
+    )
 
 
 def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
     from ds4pool.api.config import ServerConfig, api_keys_from
     from ds4pool.engine import EngineConfig
+    from ds4pool.output.processor import OutputConfig
 
     keys = api_keys_from(args.api_key, args.api_keys_file)
     try:
@@ -202,6 +219,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             tenant_weights={t.name: t.weight for t in keys.values()},
             show_progress=sys.stderr.isatty(),
         )
+        output = OutputConfig(tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser)
     except ValueError as exc:
         raise Ds4poolError(str(exc)) from None
     return ServerConfig(
@@ -214,6 +232,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
         max_body_mb=args.max_body_mb,
         served_model_name=args.served_model_name,
         request_timeout_s=args.request_timeout_s,
+        output=output,
     )
 
 

@@ -11,6 +11,7 @@ from litestar import Request as HttpRequest
 from litestar import Response, post
 from litestar.response import Stream
 
+from ds4pool.api.anthropic_output import BlockEvents, content_blocks, stop_reason
 from ds4pool.api.common import (
     SESSION_HEADER,
     ApiState,
@@ -19,7 +20,6 @@ from ds4pool.api.common import (
     authenticate,
     check_max_tokens,
     collect,
-    finish,
     priority_of,
     replay,
     sampling_from,
@@ -27,18 +27,29 @@ from ds4pool.api.common import (
     sse,
     start,
 )
+from ds4pool.api.common import finish as finish_request
 from ds4pool.api.constraints import messages_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
+from ds4pool.output.deltas import Finish
+from ds4pool.output.message import assemble
+from ds4pool.output.processor import OutputProcessor, build_processor
 from ds4pool.sched.request import Event, Request
 
 
-def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
+def _text_of(blocks: str | list[Any], where: str) -> str:
     if isinstance(blocks, str):
         return blocks
     parts = []
     for i, block in enumerate(blocks):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if isinstance(block, str):  # a bare string in a tool_result's content list is text
+            parts.append(block)
+            continue
+        if (
+            not isinstance(block, dict)
+            or block.get("type") != "text"
+            or not isinstance(block.get("text"), str)
+        ):
             raise ApiError(400, f"{where}[{i}]: only text blocks are supported here")
         parts.append(block["text"])
     return "".join(parts)
@@ -124,10 +135,15 @@ def _render(
     system: Any,
     messages: list[AnthropicMessage],
     tools: list[dict[str, Any]] | None,
+    thinking: dict[str, Any] | None = None,
 ) -> str:
     engine = state.ready_engine()
+    extra = {}
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        # templates with a thinking switch (Qwen3) read it as enable_thinking
+        extra["enable_thinking"] = thinking["type"] == "enabled"
     return engine.tokenizer.apply_chat_template(
-        to_chat(system, messages), add_generation_prompt=True, tools=_tools(tools)
+        to_chat(system, messages), add_generation_prompt=True, tools=_tools(tools), **extra
     )
 
 
@@ -138,14 +154,6 @@ async def count_tokens(request: HttpRequest, data: CountTokensRequest) -> dict[s
     text = _render(state, data.system, data.messages, data.tools)
     ids = state.ready_engine().tokenizer.encode(text, add_special_tokens=False)
     return {"input_tokens": len(ids)}
-
-
-def _stop_reason(final: Event) -> tuple[str, str | None]:
-    if final.finish_reason == "length":
-        return "max_tokens", None
-    if final.stop_string is not None:
-        return "stop_sequence", final.stop_string
-    return "end_turn", None
 
 
 def _usage(final: Event) -> dict[str, int]:
@@ -170,7 +178,11 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     stops = tuple(data.stop_sequences or ())
     if any(not s for s in stops):
         raise ApiError(400, "stop_sequences must be non-empty strings")
-    prompt_text = _render(state, data.system, data.messages, data.tools)
+    prompt_text = _render(state, data.system, data.messages, data.tools, data.thinking)
+    offered = None if (data.tool_choice or {}).get("type") == "none" else _tools(data.tools)
+    proc = build_processor(
+        state.cfg.output, engine.tokenizer, tools=offered, prompt_text=prompt_text
+    )
     req = Request(
         tenant=tenant.name,
         session_id=session_id_of(request),
@@ -186,15 +198,18 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     mid = f"msg_{uuid.uuid4().hex}"
     headers = {SESSION_HEADER: req.session_id} if req.session_id else {}
     if data.stream:
-        return Stream(_events(state, gen, mid), media_type="text/event-stream", headers=headers)
+        events = _events(state, gen, proc, mid)
+        return Stream(events, media_type="text/event-stream", headers=headers)
     text, final = await collect(state, gen)
-    reason, seq = _stop_reason(final)
+    msg = assemble(proc.feed(text) + proc.finish(final.finish_reason or "stop", final.stop_string))
+    assert msg.finish is not None
+    reason, seq = stop_reason(msg.finish.reason, msg.finish.stop_string)
     body = {
         "id": mid,
         "type": "message",
         "role": "assistant",
         "model": state.model_name,
-        "content": [{"type": "text", "text": text}],
+        "content": content_blocks(msg),
         "stop_reason": reason,
         "stop_sequence": seq,
         "usage": _usage(final),
@@ -202,13 +217,15 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     return Response(body, headers=headers)
 
 
-async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[bytes]:
+async def _events(
+    state: ApiState, gen: Generation, proc: OutputProcessor, mid: str
+) -> AsyncIterator[bytes]:
     def event(name: str, payload: dict[str, Any]) -> bytes:
         return sse(json.dumps({"type": name, **payload}), event=name)
 
     final: Event | None = None
-    assert gen.first is not None
-    first_usage = {"input_tokens": 0, "output_tokens": 0}
+    blocks = BlockEvents()
+    pinged = False
     try:
         yield event(
             "message_start",
@@ -221,20 +238,19 @@ async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[b
                     "content": [],
                     "stop_reason": None,
                     "stop_sequence": None,
-                    "usage": first_usage,
+                    "usage": {"input_tokens": 0, "output_tokens": 0},
                 }
             },
         )
-        yield event(
-            "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-        )
-        yield event("ping", {})
         async for ev in replay(gen):
-            if ev.text:
-                yield event(
-                    "content_block_delta",
-                    {"index": 0, "delta": {"type": "text_delta", "text": ev.text}},
-                )
+            deltas = proc.feed(ev.text)
+            if ev.finished and not ev.error:
+                deltas += proc.finish(ev.finish_reason or "stop", ev.stop_string)
+            for name, payload in blocks.events(deltas):
+                yield event(name, payload)
+                if not pinged:  # the official order: the first block's start, then a ping
+                    pinged = True
+                    yield event("ping", {})
             if ev.finished:
                 final = ev
                 break
@@ -242,12 +258,18 @@ async def _events(state: ApiState, gen: Generation, mid: str) -> AsyncIterator[b
         if final.error:
             yield event("error", {"error": {"type": "api_error", "message": "inference failed"}})
             return
-        yield event("content_block_stop", {"index": 0})
-        reason, seq = _stop_reason(final)
+        tail: list[tuple[str, dict[str, Any]]] = []
+        blocks.ensure_block(tail)
+        blocks.close(tail)
+        for name, payload in tail:
+            yield event(name, payload)
+        finish = deltas[-1]
+        assert isinstance(finish, Finish)
+        reason, seq = stop_reason(finish.reason, finish.stop_string)
         yield event(
             "message_delta",
             {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": _usage(final)},
         )
         yield event("message_stop", {})
     finally:
-        finish(state, gen, final)
+        finish_request(state, gen, final)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ds4pool.engine import EngineConfig
 from ds4pool.errors import Ds4poolError
+from ds4pool.output.processor import OutputConfig
 
 DEFAULT_TENANT = "default"
 
@@ -33,6 +34,7 @@ class ServerConfig:
     max_body_mb: float = 16.0
     served_model_name: str | None = None  # reported by /v1/models; default: --model
     request_timeout_s: float = 0.0  # 0: no deadline
+    output: OutputConfig = field(default_factory=OutputConfig)  # tool-call / reasoning parsers
 
     @property
     def auth_enabled(self) -> bool:

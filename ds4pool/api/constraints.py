@@ -60,7 +60,8 @@ def tool_spec(
 ) -> GrammarSpec | None:
     """The spec for a normalised tool choice: "auto", "none", "required" or "function"
     (with `name`). Shared by chat completions, Responses and Anthropic messages."""
-    fmt = detect_tool_format(tokenizer.chat_template(bool(tools)) or "", _Vocab(tokenizer))
+    # the same choice as the output processor's, so the parsers read the forced calls back
+    fmt = detect_tool_format(tokenizer.chat_template_text(), tokenizer.added_tokens)
     if choice == "none":
         return no_tool_call_spec(fmt, param) if tools else None
 
@@ -77,16 +78,6 @@ def tool_spec(
         parallel=parallel,
         param=param,
     )
-
-
-class _Vocab:
-    """`token in vocab` for format detection: is it one token of the tokenizer?"""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-
-    def __contains__(self, token: object) -> bool:
-        return isinstance(token, str) and self._tokenizer.token_to_id(token) is not None
 
 
 def response_format_spec(value: dict[str, Any] | None) -> GrammarSpec | None:

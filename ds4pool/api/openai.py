@@ -31,7 +31,10 @@ from ds4pool.api.common import (
 from ds4pool.api.config import TenantConfig
 from ds4pool.api.constraints import chat_constraint, completion_constraint
 from ds4pool.api.errors import ApiError
+from ds4pool.api.openai_output import chat_message, chunk_deltas, finish_reason
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ds4pool.output.message import assemble
+from ds4pool.output.processor import OutputProcessor, build_processor
 from ds4pool.sched.request import Event, Request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -179,6 +182,12 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
     prompt_text = engine.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tools=data.tools, **extra
     )
+    proc = build_processor(
+        state.cfg.output,
+        engine.tokenizer,
+        tools=None if data.tool_choice == "none" else data.tools,
+        prompt_text=prompt_text,
+    )
     req = _sampling_request(
         data,
         request,
@@ -193,9 +202,11 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        chunks = _chat_chunks(state, gen, rid, created, include_usage)
+        chunks = _chat_chunks(state, gen, proc, rid, created, include_usage)
         return Stream(chunks, media_type="text/event-stream", headers=_headers(req))
     text, final = await collect(state, gen)
+    msg = assemble(proc.feed(text) + proc.finish(final.finish_reason or "stop", final.stop_string))
+    assert msg.finish is not None
     body = {
         "id": rid,
         "object": "chat.completion",
@@ -204,9 +215,9 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": chat_message(msg),
                 "logprobs": None,
-                "finish_reason": _finish_reason(final),
+                "finish_reason": finish_reason(msg.finish.reason),
             }
         ],
         "usage": _usage(final),
@@ -215,7 +226,12 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
 
 
 async def _chat_chunks(
-    state: ApiState, gen: Generation, rid: str, created: int, include_usage: bool
+    state: ApiState,
+    gen: Generation,
+    proc: OutputProcessor,
+    rid: str,
+    created: int,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish_reason: str | None) -> bytes:
         return sse(
@@ -240,9 +256,14 @@ async def _chat_chunks(
     final: Event | None = None
     try:
         yield chunk({"role": "assistant", "content": ""}, None)
+        reason = "stop"
         async for event in replay(gen):
-            if event.text:
-                yield chunk({"content": event.text}, None)
+            deltas = proc.feed(event.text)
+            if event.finished and not event.error:
+                deltas += proc.finish(event.finish_reason or "stop", event.stop_string)
+                reason = finish_reason(deltas[-1].reason)  # type: ignore[union-attr]
+            for delta in chunk_deltas(deltas):
+                yield chunk(delta, None)
             if event.finished:
                 final = event
                 break
@@ -261,7 +282,7 @@ async def _chat_chunks(
                 )
             )
         else:
-            yield chunk({}, _finish_reason(final))
+            yield chunk({}, reason)
             if include_usage:
                 yield _usage_chunk(state, rid, "chat.completion.chunk", created, final)
         yield sse("[DONE]")

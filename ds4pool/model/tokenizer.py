@@ -37,6 +37,29 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Older names for a message's reasoning; transformers copies whichever is set to all of them.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
+# Special tokens that carry structure in model output (reasoning blocks, tool calls): decoding
+# keeps them even when it skips special tokens, so that the output parsers see them; the others
+# (bos, eos, turn markers) are still dropped. Llama 3.1's <|python_tag|> and Mistral's
+# [TOOL_CALLS] are special in their tokenizer.json; Qwen's and DeepSeek's markers are not.
+OUTPUT_MARKERS = frozenset(
+    {
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|python_tag|>",
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "[THINK]",
+        "[/THINK]",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    }
+)
 
 
 class Tokenizer:
@@ -68,6 +91,12 @@ class Tokenizer:
         self.bos_token_id: int | None = self.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.has_chat_template: bool = "default" in self._chat_templates
+        added = backend.get_added_tokens_decoder()
+        # content → id of every added token (the markers a model's output format uses live here)
+        self.added_tokens: dict[str, int] = {token.content: i for i, token in added.items()}
+        special = {i for i, token in added.items() if token.special}
+        self._kept_ids = frozenset(i for i in special if added[i].content in OUTPUT_MARKERS)
+        self._skipped_ids = frozenset(special - self._kept_ids)
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -108,10 +137,21 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; ids outside [0, vocab_size) are skipped. Invalid UTF-8 becomes U+FFFD."""
+        """Text of `ids`; ids outside [0, vocab_size) are skipped. Invalid UTF-8 becomes U+FFFD.
+
+        skip_special_tokens drops special tokens except the OUTPUT_MARKERS (tool-call and
+        reasoning markers), which stay in the text for the output processor."""
         bound = self.vocab_size
+        if skip_special_tokens and self._kept_ids:
+            skipped = self._skipped_ids
+            valid = [i for i in ids if 0 <= i < bound and i not in skipped]
+            return self._backend.decode(valid, skip_special_tokens=False)
         valid = [i for i in ids if 0 <= i < bound]
         return self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
+
+    def chat_template_text(self) -> str:
+        """Every chat template's source, joined (for detecting the model's output formats)."""
+        return "\n".join(self._chat_templates.values())
 
     def apply_chat_template(
         self,
@@ -146,12 +186,6 @@ class Tokenizer:
             # The template is untrusted code from the model directory: anything it raises is the
             # template's or the messages' fault (bad role order, wrong types), never ds4pool's.
             raise ChatTemplateError(f"chat template failed: {_describe(e)}") from e
-
-    def chat_template(self, with_tools: bool = False) -> str | None:
-        """The source of the template `apply_chat_template` would use; None if there is none."""
-        if with_tools and "tool_use" in self._chat_templates:
-            return self._chat_templates["tool_use"]
-        return self._chat_templates.get("default")
 
     def _template_name(self, tools: list[dict] | None) -> str:
         if tools is not None and "tool_use" in self._chat_templates:
@@ -295,11 +329,44 @@ def _template_messages(messages: list[dict]) -> list[dict]:
             kind = type(message).__name__
             raise ChatTemplateError(f"message {index} must be an object, got {kind}")
         clean = {key: value for key, value in message.items() if value is not None}
+        if isinstance(clean.get("tool_calls"), list):
+            clean["tool_calls"] = [_template_tool_call(call) for call in clean["tool_calls"]]
         reasoning = next((clean[k] for k in _REASONING_FIELDS if k in clean), None)
         if reasoning is not None:
             clean = {"thinking": reasoning, **clean, "reasoning_content": reasoning}
         normalized.append(clean)
     return normalized
+
+
+class _JsonArguments(dict):  # type: ignore[type-arg]
+    """A tool call's arguments as templates want them, whichever way they want them: a mapping
+    (`arguments | tojson`, `arguments is mapping`, Qwen's and Llama's) that concatenates and
+    prints as its JSON text (`'...' + arguments`, DeepSeek-V3's)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: object) -> str:
+        return str(self) + str(other)
+
+    def __radd__(self, other: object) -> str:
+        return str(other) + str(self)
+
+
+def _template_tool_call(call: object) -> object:
+    """An assistant tool call with its arguments (an object, or OpenAI's JSON text of one) as
+    _JsonArguments; other shapes are left for the template to judge."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return call
+    if not isinstance(args, Mapping):
+        return call
+    return {**call, "function": {**call["function"], "arguments": _JsonArguments(args)}}
 
 
 # --- reading the model directory -----------------------------------------------------------

@@ -9,11 +9,14 @@ TOOL_FORMATS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder"
 REASONING_FORMATS = ("think", "none")
 
 
-def detect_tool_format(chat_template: str, vocab: Container[str]) -> str:
+def detect_tool_format(chat_template: str | None, vocab: Container[str] = frozenset()) -> str:
     """The tool-call format of a model: one of TOOL_FORMATS ("none" when nothing matches).
 
     `vocab` holds the model's token strings (its added tokens suffice: every format's marker
-    is one); the template is the source text of its chat template(s)."""
+    is one: `Tokenizer.added_tokens`); the template is the source text of its chat template(s)
+    (`Tokenizer.chat_template_text()`). The output processor chooses its parser with this, so
+    anything that makes the model write calls (a grammar) must choose the same way."""
+    chat_template = chat_template or ""
 
     def has(marker: str) -> bool:
         return marker in vocab or marker in chat_template

@@ -101,3 +101,36 @@ def test_errors_use_the_anthropic_format(server: Server) -> None:
         c.messages.create(model="demo", max_tokens=5, messages=[])
     assert exc.value.body["type"] == "error"  # type: ignore[index]
     assert exc.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def _tool_result_turn(content: object) -> list[dict]:
+    return [
+        {"role": "user", "content": "read it"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content}],
+        },
+    ]
+
+
+def test_tool_result_content_lists_of_strings_and_of_other_values(server: Server) -> None:
+    c = client(server)
+    count, create = c.messages.count_tokens, c.messages.create
+    # bare strings in the list are text (they used to be a 500)
+    as_list = count(model="demo", messages=_tool_result_turn(["abc"]))  # type: ignore[arg-type]
+    as_text = count(model="demo", messages=_tool_result_turn("abc"))  # type: ignore[arg-type]
+    assert as_list.input_tokens == as_text.input_tokens
+    msg = create(model="demo", max_tokens=2, messages=_tool_result_turn(["abc"]))  # type: ignore[arg-type]
+    assert msg.usage.output_tokens >= 1
+    for bad in ([1], [None], [["x"]]):
+        turn = _tool_result_turn(bad)
+        for kw in ({}, {"max_tokens": 2}):
+            route = create if kw else count
+            with pytest.raises(anthropic.BadRequestError) as exc:
+                route(model="demo", messages=turn, **kw)  # type: ignore[arg-type,operator]
+            message = exc.value.body["error"]["message"]  # type: ignore[index]
+            assert "messages[2].content[0].content[0]" in message

@@ -72,8 +72,8 @@ def matches(cache: GrammarCache, tok: Tokenizer, spec: GrammarSpec, text: str) -
 
 def test_detects_the_format_of_real_templates() -> None:
     qwen, ds = grammars("qwen3")[0], grammars("deepseek_v3")[0]
-    assert detect_tool_format(qwen.chat_template() or "", ()) == "hermes"
-    assert detect_tool_format(ds.chat_template() or "", ()) == "deepseek_v3"
+    assert detect_tool_format(qwen.chat_template_text(), ()) == "hermes"
+    assert detect_tool_format(ds.chat_template_text(), ()) == "deepseek_v3"
     assert detect_tool_format("{{ messages }}", ()) == "none"
 
 

@@ -50,7 +50,7 @@ def engine():  # noqa: ANN201
 
 def test_forced_calls_parse_as_qwen3_tool_calls(engine: Engine) -> None:
     tok = engine.tokenizer
-    assert detect_tool_format(tok.chat_template(True) or "", ()) == "hermes"
+    assert detect_tool_format(tok.chat_template_text(), ()) == "hermes"
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "show me main.py"}], tools=TOOLS, enable_thinking=False
     )
