@@ -140,6 +140,7 @@ def test_tool_choice_required_and_named(server: Server) -> None:
             max_tokens=300,
             seed=seed,
         )
+        assert r.choices[0].finish_reason == "tool_calls"
         check_calls(tool_calls(r.choices[0].message), set(PARAMS))
     named = {"type": "function", "function": {"name": "read_file"}}
     kw: dict[str, Any] = dict(

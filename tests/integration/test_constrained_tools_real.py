@@ -63,13 +63,16 @@ def test_openai_required_and_streamed(server: Server) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
     [(name, args)] = parsed(r.choices[0].message)
     assert name == "list_files"
     jsonschema.validate(args, PARAMS)
-    if not r.choices[0].message.tool_calls:
-        chunks = list(c.chat.completions.create(**kw, stream=True))
-        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-        assert streamed == r.choices[0].message.content
+    chunks = [ch for ch in c.chat.completions.create(**kw, stream=True) if ch.choices]
+    parts = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+    assert "".join(p.function.name or "" for p in parts if p.function) == "list_files"
+    streamed_args = "".join(p.function.arguments or "" for p in parts if p.function)
+    assert json.loads(streamed_args) == args
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_anthropic_named_tool(server: Server) -> None:
@@ -82,6 +85,7 @@ def test_anthropic_named_tool(server: Server) -> None:
         tool_choice={"type": "tool", "name": "list_files", "disable_parallel_tool_use": True},
     )
     blocks = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and blocks
     if blocks:
         calls = [(b.name, b.input) for b in blocks]
     else:
