@@ -29,6 +29,7 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.common import finish as finish_request
+from ds4pool.api.constraints import messages_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.prompt import count_prompt_tokens, off_loop, render_chat
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
@@ -206,6 +207,7 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
         stop=stops,
         priority=priority_of(request, data.priority, tenant),
         endpoint="messages",
+        constraint=await messages_constraint(engine, data, prompt_text),
     )
     gen = await start(request, state, req, tenant)
     mid = f"msg_{uuid.uuid4().hex}"

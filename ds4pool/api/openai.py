@@ -29,6 +29,7 @@ from ds4pool.api.common import (
     start,
 )
 from ds4pool.api.config import TenantConfig
+from ds4pool.api.constraints import chat_constraint, completion_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.openai_output import chat_message, chunk_deltas, finish_reason
 from ds4pool.api.prompt import render_prompt
@@ -207,6 +208,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         data.max_completion_tokens or data.max_tokens,
         prompt_text=prompt_text,
     )
+    req.constraint = await chat_constraint(engine, data, prompt_text)
     gen = await start(request, state, req, tenant)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if data.stream:
@@ -320,6 +322,7 @@ async def completions(request: HttpRequest, data: CompletionRequest) -> Response
     req = _sampling_request(data, request, state, tenant, "completions", data.max_tokens, **kw)
     if req.max_tokens == state.ready_engine().runner.max_model_len and data.max_tokens is None:
         req.max_tokens = 16  # OpenAI's default for legacy completions
+    req.constraint = await completion_constraint(state.ready_engine(), data)
     gen = await start(request, state, req, tenant)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if data.stream:

@@ -66,6 +66,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]  # a string, a one-string list, or token ids
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # as chat's (vLLM's extension)
 
 
 class AnthropicMessage(msgspec.Struct):
