@@ -45,6 +45,9 @@ _PAD_BLOCKS = 8
 # them back from cache rather than memory (groups of 2 beat one group of 16 by ~2x at 1.5k
 # tokens; one sequence longer than this is a group of its own).
 GROUP_BYTES = 4 << 20
+# A decode sequence is attended in place (its own kernel call) only from this many blocks
+# of one run on: below it, copying into a group is cheaper than another call per layer.
+VIEW_MIN_BLOCKS = 32
 
 
 def forward(
@@ -128,7 +131,7 @@ def paged_decode(
     gathered = []  # rows whose blocks are not one run of consecutive ids
     for i, ctx in enumerate(context_lens):
         start = _run_start(host_tables[i], firsts[i], counts[i])
-        if start is None:
+        if start is None or counts[i] < VIEW_MIN_BLOCKS:
             gathered.append(i)
             continue
         # One run of blocks is a contiguous slice of the cache: attend it in place, cut to
