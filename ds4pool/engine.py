@@ -5,6 +5,7 @@ Importable without the server stack (no litestar/uvicorn), so GPU tests need onl
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for
 from ds4pool.model.device import select_device, select_dtype
+from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
 from ds4pool.sched.queue import QueueConfig
@@ -68,7 +70,7 @@ class EngineConfig:
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
-PREFILL_TOKENS = {"cuda": 512, "cpu": 128, "mps": 128}
+PREFILL_TOKENS = {"cuda": 512, "cpu": 64, "mps": 128}  # mps: not measured yet
 
 
 def prefill_tokens(cfg: EngineConfig, device: torch.device) -> int:
@@ -155,10 +157,22 @@ class Engine:
         self.worker = Worker(self.scheduler, cfg.coalesce_us)
         self.worker.start()
         self._closed = False
+        self._grammars: GrammarCache | None = None  # built on first use (imports xgrammar)
+        self._grammars_lock = threading.Lock()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - the model's Tokenizer
         return self.loaded.tokenizer
+
+    def compile_constraint(self, spec: GrammarSpec) -> Constraint:
+        """Compile (or fetch from the cache) a grammar for Request.constraint. Blocking and
+        CPU-bound: call it from a worker thread, never on an event loop. Raises GrammarError."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = self.loaded.config.vocab_size
+                self._grammars = GrammarCache(self.loaded.tokenizer, vocab)
+            grammars = self._grammars
+        return grammars.compile(spec)
 
     def submit(self, req: Request) -> RequestStream:
         return self.scheduler.submit(req)

@@ -23,6 +23,7 @@ from ds4pool.errors import ContextLengthError
 from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
 from ds4pool.model.cuda_graphs import DecodeGraphs, default_buckets
+from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
@@ -49,6 +50,8 @@ class SeqInput:
     # those it holds for (seq_id, table_epoch); None re-sends the whole table every step.
     seq_id: int | None = None
     table_epoch: int = 0
+    # host int32 [ceil(V / 32)], bit v set = token v allowed (grammar-constrained rows only)
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def context_len(self) -> int:
@@ -168,6 +171,9 @@ class ModelRunner:
         if not rows:
             return StepOutput(sampled=[None] * len(seqs))
         logits = logits.float()  # [R, V]
+        masked = [(j, m) for j, i in enumerate(rows) if (m := seqs[i].token_bitmask) is not None]
+        if masked:  # out of place: logits may be a CUDA graph's static output buffer
+            logits = apply_token_bitmask(logits, [j for j, _ in masked], [m for _, m in masked])
         sampled_t = self.sampler.sample(
             logits,
             [seqs[i].sampling for i in rows],

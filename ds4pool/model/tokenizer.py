@@ -119,6 +119,11 @@ class Tokenizer:
             backend, special_tokens=special_tokens, eos_token_ids=eos_ids, chat_templates=templates
         )
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` pipeline (its vocabulary, e.g. for grammar-constrained decoding)."""
+        return self._backend
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary or added token, None if there is no such token."""
         return self._backend.token_to_id(token)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ds4pool.errors import Ds4poolError
+from ds4pool.model.grammar import Constraint
 from ds4pool.model.sampler import GREEDY, SamplingParams
 
 _ids = itertools.count(1)
@@ -55,6 +56,8 @@ class Event:
     "cancelled", or "error" (then `error` holds a one-line message and `error_type` says
     whose fault: "invalid_request" (the request can never run: too long, bad ids),
     "busy" (its session stayed busy too long), or "internal" (a failed step)).
+    `usage` is set on the last event and on the first one (prompt and cached tokens known,
+    completion tokens so far), for APIs that report the prompt's size up front.
     """
 
     text: str = ""
@@ -86,6 +89,8 @@ class Request:
     priority: int = 0  # lower runs first (vLLM's convention)
     deadline: float | None = None  # time.monotonic() after which it is cancelled
     endpoint: str = "engine"  # the API route that made it (a bounded metrics label)
+    # output must match this compiled grammar (json_schema, tool_choice); None: free text
+    constraint: Constraint | None = None
     request_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 

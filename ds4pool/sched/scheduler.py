@@ -274,7 +274,7 @@ class Scheduler:
         if m.num_reused < len(s.token_ids) or not m.via_text:
             seq.rollback_text = ""
         seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
-        seq.start_decoding(self.tokenizer)
+        seq.start_decoding(self.tokenizer, vocab)
 
     def _dequeue(self, seq: Seq) -> None:
         with self.lock:
@@ -283,6 +283,14 @@ class Scheduler:
     def _add(self, step: Step, seq: Seq, n: int) -> None:
         assert seq.session is not None and seq.session.block_table is not None
         start = seq.num_computed
+        sample = start + n == seq.num_tokens
+        bitmask = seq.grammar.fill() if sample and seq.grammar else None
+        if seq.grammar is not None and seq.grammar.dead_end:
+            error = (
+                "the requested output format (response_format, tool_choice) allows no next token"
+            )
+            self._finish(seq, "error", error=error, error_type="invalid_request")
+            return
         table = seq.session.block_table
         step.seqs.append(seq)
         step.counts.append(n)
@@ -293,10 +301,11 @@ class Scheduler:
                 block_table=list(table.blocks),
                 seq_id=seq.seq_id,
                 table_epoch=table.epoch,
-                sample=start + n == seq.num_tokens,
+                sample=sample,
                 sampling=seq.req.sampling,
                 seed=seq.seed,
                 output_token_ids=list(seq.output_ids),
+                token_bitmask=bitmask,
             )
         )
         with self.lock:
@@ -320,7 +329,10 @@ class Scheduler:
             reason = seq.append(token, self.eos_ids)
             assert seq.last_token_at is not None
             self.observer.token(seq, first, seq.last_token_at - (seq.arrival if first else prev))
-            if reason:
+            if reason == "error":  # the grammar rejected a sampled token: a masking bug
+                error = f"sampled token {token} is outside the output grammar"
+                self._finish(seq, "error", error=error, error_type="internal")
+            elif reason:
                 self._finish(seq, reason, token_ids=(token,) if token not in self.eos_ids else ())
             else:
                 seq.stream.push(seq.event((token,), None))

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from ds4pool.kv.session import Session
+from ds4pool.model.grammar import GrammarState
 from ds4pool.model.tokenizer import IncrementalDecoder, Tokenizer
 from ds4pool.sched.request import Event, Request, RequestStream, State, Usage
 
@@ -40,6 +41,8 @@ class Seq:
     first_token_at: float | None = None
     last_token_at: float | None = None
     blocked_since: float | None = None  # waiting on a session busy with another request
+    usage_sent: bool = False  # the first event carries usage (the prompt's counts) too
+    grammar: GrammarState | None = None  # set at admission when req.constraint is set
 
     def __post_init__(self) -> None:
         seed = self.req.sampling.seed
@@ -70,15 +73,23 @@ class Seq:
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
 
-    def start_decoding(self, tokenizer: Tokenizer) -> None:
+    def start_decoding(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.decoder = IncrementalDecoder(tokenizer)
+        if self.req.constraint is not None:
+            self.grammar = GrammarState(self.req.constraint, vocab_size)
 
     def append(self, token: int, eos_ids: frozenset[int]) -> str | None:
-        """Record a sampled token; return a finish reason if the request is done."""
+        """Record a sampled token; return a finish reason if the request is done ("error":
+        the output grammar rejects the token, which the mask should have prevented)."""
         now = time.monotonic()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
-        if token in eos_ids and not self.req.ignore_eos:
+        if self.grammar is not None:
+            if not self.grammar.accept(token):
+                return "error"
+            if self.grammar.terminated:  # a stop token where the grammar may end
+                return "stop"
+        elif token in eos_ids and not self.req.ignore_eos:
             return "stop"
         self.output_ids.append(token)
         assert self.decoder is not None
@@ -86,7 +97,8 @@ class Seq:
         if self._stop_at() is not None:
             return "stop"
         if len(self.output_ids) >= self.max_tokens:
-            return "length"
+            # out of tokens exactly where the grammar may end: the output is whole
+            return "stop" if self.grammar is not None and self.grammar.completed else "length"
         return None
 
     def _stop_at(self) -> int | None:
@@ -128,10 +140,11 @@ class Seq:
     def event(self, token_ids: tuple[int, ...], finish: str | None) -> Event:
         text = self.delta(finish is not None)
         hit = self._stop_hit() if finish == "stop" else None
+        first, self.usage_sent = not self.usage_sent, True
         return Event(
             text=text,
             token_ids=token_ids,
             finish_reason=finish,
-            usage=self.usage() if finish else None,
+            usage=self.usage() if finish or first else None,
             stop_string=hit[1] if hit else None,
         )
