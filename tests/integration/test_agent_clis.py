@@ -10,7 +10,6 @@ really are, and renders the tool result back into the prompt.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from collections.abc import Iterator
@@ -25,12 +24,6 @@ from tests.real_tokenizers import real_tokenizer_dir
 
 pytestmark = pytest.mark.agents
 CLI_TIMEOUT_S = 90
-
-
-def needs(module: str, branch: str) -> None:
-    """Skip, saying why, while a server part this agent needs is not merged yet."""
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"needs {module} (branch {branch}, not merged yet)")
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -115,7 +108,6 @@ def assert_round_trip(
 
 
 def test_claude_code(server_url: str, tmp_path: Path) -> None:
-    needs("ds4pool.api.prompt", "wip/responses")  # system messages mid-conversation
     claude = agent_cli("claude")
     work = tmp_path / "work"
     work.mkdir()
@@ -139,7 +131,6 @@ def test_claude_code(server_url: str, tmp_path: Path) -> None:
 
 
 def test_codex(server_url: str, tmp_path: Path) -> None:
-    needs("ds4pool.api.responses", "wip/responses")  # POST /v1/responses
     codex = agent_cli("codex")
     work, codex_home = tmp_path / "work", tmp_path / "codex-home"
     work.mkdir()
