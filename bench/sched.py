@@ -32,8 +32,10 @@ Part 2, chunked prefill. --decoders sessions decode; once each has emitted a few
 overlap the long prompt's prefill (submission → its first token) are reported, with
 max_batch_tokens at --max-batch-tokens (default 2048: the prompt is prefilled in chunks,
 one chunk per step next to the decodes) and at a large value (no chunking: one step
-computes the whole prompt while the decoders wait). "before" is the decoders' ITL before
-the long prompt arrived; "long TTFT" is what chunking costs the long prompt itself.
+computes the whole prompt while the decoders wait), and at --max-batch-tokens with each
+--max-prefill-tokens cap (prompt tokens per step while someone decodes; the first row has
+the cap at max_batch_tokens, i.e. none). "before" is the decoders' ITL before the long
+prompt arrived; "long TTFT" is what chunking costs the long prompt itself.
 
 CPU defaults are smaller than the GPU ones so the whole run fits in a few minutes on two
 cores (see DEVICE_DEFAULTS); the header prints the sizes actually used.
@@ -415,7 +417,7 @@ def parse_args() -> argparse.Namespace:
         "--max-prefill-tokens",
         type=int,
         nargs="+",
-        help="part 2: prefill caps to compare (default: 512 on CUDA, 128 elsewhere)",
+        help="part 2: prefill caps to compare (default: 512 on CUDA, 64 on CPU)",
     )
     ap.add_argument("--no-chunk-tokens", type=int, default=32768)
     ap.add_argument("--max-batch-size", type=int, default=64)
@@ -436,7 +438,7 @@ def resolve(args: argparse.Namespace, loaded: LoadedModel) -> None:
         args.decoders = min(args.decoders, 4)
         args.max_batch_tokens = 256
     args.prompt_len = args.prompt_len or prompt
-    args.max_prefill_tokens = args.max_prefill_tokens or [PREFILL_TOKENS.get(kind, 128)]
+    args.max_prefill_tokens = args.max_prefill_tokens or [PREFILL_TOKENS[kind]]
     args.gen_len = args.gen_len or gen
     args.long_prompt = args.long_prompt or long
     args.vocab = min(loaded.tokenizer.vocab_size, loaded.config.vocab_size)

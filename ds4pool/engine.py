@@ -70,7 +70,7 @@ class EngineConfig:
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
-PREFILL_TOKENS = {"cuda": 512, "cpu": 128, "mps": 128}
+PREFILL_TOKENS = {"cuda": 512, "cpu": 64, "mps": 128}  # mps: not measured yet
 
 
 def prefill_tokens(cfg: EngineConfig, device: torch.device) -> int:

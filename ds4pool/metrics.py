@@ -94,6 +94,7 @@ ENDPOINT_PATHS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 ENDPOINTS = (*ENDPOINT_PATHS.values(), "engine")
 # The `status` label of ds4pool_requests_total: the engine's finish reasons, plus the

@@ -60,7 +60,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         type=int,
         default=None,
-        help="prompt tokens per step while others decode (default: 512 on CUDA, 128 on CPU)",
+        help="prompt tokens per step while others decode (default: 512 on CUDA, 64 on CPU)",
     )
     _flag(g, "--max-batch-size", type=int, default=64, help="sequences per step")
     _flag(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,11 +31,14 @@ from ds4pool.api.common import (
 from ds4pool.api.common import finish as finish_request
 from ds4pool.api.constraints import messages_constraint
 from ds4pool.api.errors import ApiError
+from ds4pool.api.prompt import count_prompt_tokens, off_loop, render_chat
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from ds4pool.output.deltas import Finish
 from ds4pool.output.message import assemble
 from ds4pool.output.processor import OutputProcessor, build_processor
 from ds4pool.sched.request import Event, Request
+
+log = logging.getLogger("ds4pool.api")
 
 
 def _text_of(blocks: str | list[Any], where: str) -> str:
@@ -65,8 +69,11 @@ def to_chat(
     if system:
         out.append({"role": "system", "content": _text_of(system, "system")})
     for i, m in enumerate(messages):
+        if m.role == "system":  # Claude Code's mid-conversation reminders (see api/prompt.py)
+            out.append({"role": "system", "content": _text_of(m.content, f"messages[{i}].content")})
+            continue
         if m.role not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be 'user' or 'assistant'")
+            raise ApiError(400, f"messages[{i}].role must be 'user', 'assistant' or 'system'")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -114,46 +121,54 @@ def to_chat(
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tool definitions → the OpenAI-style shape chat templates expect."""
+    """Anthropic tool definitions → the OpenAI-style shape chat templates expect. Server
+    tools (web_search_20250305, code_execution_..., ...) run on Anthropic's side, not here:
+    they are dropped with a log line rather than shown to the model as functions."""
     if not tools:
         return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema", {}),
-            },
+    out, dropped = [], []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise ApiError(400, f"tools[{i}]: a tool needs a name")
+        if t.get("type") not in (None, "custom"):
+            dropped.append(str(t.get("type")))
+            continue
+        function = {
+            "name": t["name"],
+            "description": t.get("description", ""),
+            "parameters": t.get("input_schema", {}),
         }
-        for t in tools
-    ]
+        out.append({"type": "function", "function": function})
+    if dropped:
+        log.info("messages: dropped server tools ds4pool cannot run: %s", ", ".join(dropped))
+    return out or None
 
 
-def _render(
+async def _render(
     state: ApiState,
     system: Any,
     messages: list[AnthropicMessage],
     tools: list[dict[str, Any]] | None,
     thinking: dict[str, Any] | None = None,
 ) -> str:
-    engine = state.ready_engine()
+    tokenizer = state.ready_engine().tokenizer
     extra = {}
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
         # templates with a thinking switch (Qwen3) read it as enable_thinking
         extra["enable_thinking"] = thinking["type"] == "enabled"
-    return engine.tokenizer.apply_chat_template(
-        to_chat(system, messages), add_generation_prompt=True, tools=_tools(tools), **extra
-    )
+
+    def render() -> str:
+        return render_chat(tokenizer, to_chat(system, messages), _tools(tools), extra)
+
+    return await off_loop(render)
 
 
 @post("/v1/messages/count_tokens", status_code=200)
 async def count_tokens(request: HttpRequest, data: CountTokensRequest) -> dict[str, int]:
     state = api_state(request)
     authenticate(request, state)
-    text = _render(state, data.system, data.messages, data.tools)
-    ids = state.ready_engine().tokenizer.encode(text, add_special_tokens=False)
-    return {"input_tokens": len(ids)}
+    text = await _render(state, data.system, data.messages, data.tools)
+    return {"input_tokens": await count_prompt_tokens(state.ready_engine().tokenizer, text)}
 
 
 def _usage(final: Event) -> dict[str, int]:
@@ -178,7 +193,7 @@ async def messages(request: HttpRequest, data: MessagesRequest) -> Response | St
     stops = tuple(data.stop_sequences or ())
     if any(not s for s in stops):
         raise ApiError(400, "stop_sequences must be non-empty strings")
-    prompt_text = _render(state, data.system, data.messages, data.tools, data.thinking)
+    prompt_text = await _render(state, data.system, data.messages, data.tools, data.thinking)
     offered = None if (data.tool_choice or {}).get("type") == "none" else _tools(data.tools)
     proc = build_processor(
         state.cfg.output, engine.tokenizer, tools=offered, prompt_text=prompt_text
@@ -226,6 +241,9 @@ async def _events(
     final: Event | None = None
     blocks = BlockEvents()
     pinged = False
+    assert gen.first is not None
+    # the engine reports the prompt's counts with the first token (Claude Code reads them here)
+    first_usage = _usage(gen.first) if gen.first.usage else {"input_tokens": 0, "output_tokens": 0}
     try:
         yield event(
             "message_start",
@@ -238,7 +256,7 @@ async def _events(
                     "content": [],
                     "stop_reason": None,
                     "stop_sequence": None,
-                    "usage": {"input_tokens": 0, "output_tokens": 0},
+                    "usage": first_usage,
                 }
             },
         )

@@ -8,13 +8,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from litestar import Litestar, Response, get
+from litestar import HttpMethod, Litestar, Response, get, route
 from litestar import Request as HttpRequest
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
 from ds4pool import __version__
-from ds4pool.api import anthropic, openai
+from ds4pool.api import anthropic, openai, responses
 from ds4pool.api.common import ApiState, api_state
 from ds4pool.api.config import ServerConfig
 from ds4pool.api.errors import handle_exception
@@ -28,6 +28,12 @@ log = logging.getLogger("ds4pool.api")
 async def health() -> dict[str, str]:
     """Liveness: the process serves HTTP."""
     return {"status": "ok"}
+
+
+@route("/", http_method=[HttpMethod.GET, HttpMethod.HEAD])
+async def root() -> dict[str, str]:
+    """Clients probe the base URL before their first request (Claude Code sends HEAD /)."""
+    return {"status": "ok", "name": "ds4pool", "version": __version__}
 
 
 @get("/ready")
@@ -110,9 +116,13 @@ def create_app(
             health,
             ready,
             metrics_endpoint,
+            root,
             openai.list_models,
+            openai.get_model,
             openai.chat_completions,
             openai.completions,
+            responses.create_response,
+            responses.stored_response,
             anthropic.messages,
             anthropic.count_tokens,
             own_sessions,

@@ -32,6 +32,7 @@ from ds4pool.api.config import TenantConfig
 from ds4pool.api.constraints import chat_constraint, completion_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.openai_output import chat_message, chunk_deltas, finish_reason
+from ds4pool.api.prompt import render_prompt
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ds4pool.output.message import assemble
 from ds4pool.output.processor import OutputProcessor, build_processor
@@ -48,6 +49,18 @@ async def list_models(request: HttpRequest) -> dict[str, Any]:
         "object": "list",
         "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "ds4pool"}],
     }
+
+
+@get("/v1/models/{model_id:path}")
+async def get_model(request: HttpRequest, model_id: str) -> dict[str, Any]:
+    state = api_state(request)
+    authenticate(request, state)
+    model_id = model_id.removeprefix("/")  # a path parameter: served names may hold "/"
+    if model_id != state.model_name:
+        raise ApiError(
+            404, f"model {model_id!r} is not served here", param="model", code="model_not_found"
+        )
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "ds4pool"}
 
 
 def _unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -179,9 +192,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         raise ApiError(
             400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs"
         )
-    prompt_text = engine.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tools=data.tools, **extra
-    )
+    prompt_text = await render_prompt(engine.tokenizer, messages, data.tools, extra)
     proc = build_processor(
         state.cfg.output,
         engine.tokenizer,

@@ -100,3 +100,32 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 
 class EvictRequest(msgspec.Struct):
     to: str
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/responses. Items and tools stay plain dicts: their many types are checked
+    one by one (ds4pool.api.responses_input) so that an error names the item's field."""
+
+    model: str | None = None
+    input: str | list[Any] = ""
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    priority: int | None = None

@@ -11,8 +11,9 @@ numbers are in docs/BENCHMARKS.md):
   (10% faster than enable_gqa at the demo's G=2, 28% at Llama-3-8B's G=4).
 - A sequence whose blocks are one run of consecutive ids (the block pool hands out ids in
   FIFO order, so a prompt's blocks mostly are) is a contiguous slice of the cache: it is
-  attended in place, no copy. Small per-sequence GEMMs over those views lose to a copy;
-  the fused kernel on them wins over gathering by ~15%.
+  attended in place, no copy (decodes from VIEW_MIN_BLOCKS blocks on). Small
+  per-sequence GEMMs over those views lose to a copy; the fused kernel on them wins over
+  gathering by ~15%.
 - Other sequences are gathered with one `index_select` of whole blocks (a memcpy of
   contiguous rows, far faster than advanced indexing) in groups of a few MiB, so that the
   copy is still in cache when the kernel reads it (a group of 16 at 1.5k tokens was ~2x
@@ -45,6 +46,9 @@ _PAD_BLOCKS = 8
 # them back from cache rather than memory (groups of 2 beat one group of 16 by ~2x at 1.5k
 # tokens; one sequence longer than this is a group of its own).
 GROUP_BYTES = 4 << 20
+# A decode sequence is attended in place (its own kernel call) only from this many blocks
+# of one run on: below it, copying into a group is cheaper than another call per layer.
+VIEW_MIN_BLOCKS = 32
 
 
 def forward(
@@ -103,11 +107,25 @@ def _first_block(ctx: int, block_size: int, sliding_window: int | None) -> int:
     return (ctx - sliding_window) // block_size
 
 
-def _run_start(table: list[int], first: int, count: int) -> int | None:
-    """table[first] when table[first : first + count] are consecutive block ids, else None."""
-    start = table[first]
-    ok = all(b == start + k for k, b in enumerate(table[first : first + count]))
-    return start if ok else None
+def _run_starts(
+    tables: torch.Tensor,  # [Bd, max_blocks] int64
+    firsts: list[int],
+    counts: list[int],  # row i reads tables[i, firsts[i] : firsts[i] + counts[i]]
+) -> list[int | None]:
+    """Per row: its first block id when the blocks it reads are consecutive ids, else None.
+
+    Tensor ops over the whole table instead of a python loop over its ids: tables of long
+    contexts hold thousands of ids per row.
+    """
+    device = tables.device
+    first = torch.tensor(firsts, dtype=torch.int64, device=device)[:, None]  # [Bd, 1]
+    count = torch.tensor(counts, dtype=torch.int64, device=device)[:, None]
+    col = torch.arange(tables.shape[1] - 1, device=device)[None, :]  # [1, max_blocks - 1]
+    inside = (col >= first) & (col < first + count - 1)  # pairs (j, j + 1) both read
+    broken = ((tables[:, 1:] - tables[:, :-1] != 1) & inside).any(dim=1)  # [Bd]
+    starts = tables.gather(1, first)[:, 0]  # [Bd]
+    # CPU tensors: .tolist() reads host memory, it is not a device sync.
+    return [None if b else s for b, s in zip(broken.tolist(), starts.tolist())]
 
 
 def paged_decode(
@@ -123,12 +141,12 @@ def paged_decode(
     group_q = q.view(bd, h_kv, num_heads // h_kv, d)  # [Bd, H_kv, G, D]
     firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
     counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
-    host_tables = tables.tolist()  # CPU: a host read, not a device sync
+    starts = _run_starts(tables, firsts, counts)
     out = torch.empty_like(q)
-    gathered = []  # rows whose blocks are not one run of consecutive ids
+    gathered = []  # rows read through a copy: not one run of ids, or a short one
     for i, ctx in enumerate(context_lens):
-        start = _run_start(host_tables[i], firsts[i], counts[i])
-        if start is None:
+        start = starts[i]
+        if start is None or counts[i] < VIEW_MIN_BLOCKS:
             gathered.append(i)
             continue
         # One run of blocks is a contiguous slice of the cache: attend it in place, cut to
@@ -207,7 +225,7 @@ def paged_prefill(
     n = -(-context_len // bs) - first
     start = first * bs  # position of the first gathered key
     blocks = table[first : first + n]
-    run = _run_start(blocks.tolist(), 0, n)  # CPU: a host read, not a device sync
+    run = _run_starts(table[None], [first], [n])[0]
     if run is not None:  # one run of consecutive blocks: a slice of the cache, no copy
         keys = cache[0, run : run + n].view(n * bs, h_kv, d)
         values = cache[1, run : run + n].view(n * bs, h_kv, d)

@@ -55,6 +55,12 @@ _VOCAB_SALT = 0xC2B2AE35
 # Below this temperature logits / T overflows float32 for ordinary logits; vLLM also
 # treats it as greedy.
 _GREEDY_EPS = 1e-5
+# Logits per chunk of sampled rows. On CPU the ~15 passes over the int64/float64 [rows, V]
+# temporaries run ~3x faster when a chunk (2 MiB of int64) stays in the L2/L3 caches (16
+# rows of a 128k vocabulary: 103 → 37 ms per step on one EPYC core); a GPU wants few, large
+# launches. Chunking is by whole rows, so it never changes a token.
+CPU_CHUNK_ELEMENTS = 1 << 18
+GPU_CHUNK_ELEMENTS = 1 << 23
 
 
 def _is_int(value: object) -> bool:
@@ -144,14 +150,18 @@ class Sampler:
     - No host sync: per-row parameters go host → device (pinned, non-blocking on CUDA);
       the caller does the one readback of the returned ids.
     - The caller's logits are never modified.
-    Memory: sampled rows are processed in chunks of about `chunk_elements` logits, which
+    Memory: sampled rows are processed in chunks of about `chunk_elements` logits (default
+    CPU_CHUNK_ELEMENTS on CPU, GPU_CHUNK_ELEMENTS elsewhere), which
     bounds the float64/int64 temporaries to a few times 8 * chunk_elements bytes; on top of
     that come a few float32 [B, V] tensors (the float copy of the logits, penalties).
     """
 
-    def __init__(self, device: torch.device | str, *, chunk_elements: int = 1 << 23) -> None:
-        assert chunk_elements >= 1
+    def __init__(self, device: torch.device | str, *, chunk_elements: int | None = None) -> None:
         self.device = torch.device(device)
+        if chunk_elements is None:
+            cpu = self.device.type == "cpu"
+            chunk_elements = CPU_CHUNK_ELEMENTS if cpu else GPU_CHUNK_ELEMENTS
+        assert chunk_elements >= 1
         self.chunk_elements = chunk_elements
         # Precision of the draw and the top-p mass; MPS has no float64.
         self.float_dtype = torch.float32 if self.device.type == "mps" else torch.float64

@@ -56,6 +56,8 @@ class Event:
     "cancelled", or "error" (then `error` holds a one-line message and `error_type` says
     whose fault: "invalid_request" (the request can never run: too long, bad ids),
     "busy" (its session stayed busy too long), or "internal" (a failed step)).
+    `usage` is set on the last event and on the first one (prompt and cached tokens known,
+    completion tokens so far), for APIs that report the prompt's size up front.
     """
 
     text: str = ""

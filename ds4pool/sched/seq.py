@@ -41,6 +41,7 @@ class Seq:
     first_token_at: float | None = None
     last_token_at: float | None = None
     blocked_since: float | None = None  # waiting on a session busy with another request
+    usage_sent: bool = False  # the first event carries usage (the prompt's counts) too
     grammar: GrammarState | None = None  # set at admission when req.constraint is set
 
     def __post_init__(self) -> None:
@@ -139,10 +140,11 @@ class Seq:
     def event(self, token_ids: tuple[int, ...], finish: str | None) -> Event:
         text = self.delta(finish is not None)
         hit = self._stop_hit() if finish == "stop" else None
+        first, self.usage_sent = not self.usage_sent, True
         return Event(
             text=text,
             token_ids=token_ids,
             finish_reason=finish,
-            usage=self.usage() if finish else None,
+            usage=self.usage() if finish or first else None,
             stop_string=hit[1] if hit else None,
         )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anthropic
+import httpx
 import pytest
 
 from tests.integration.conftest import Server
@@ -101,6 +103,93 @@ def test_errors_use_the_anthropic_format(server: Server) -> None:
         c.messages.create(model="demo", max_tokens=5, messages=[])
     assert exc.value.body["type"] == "error"  # type: ignore[index]
     assert exc.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def claude_code_request(n_tools: int) -> dict[str, Any]:
+    """The shape Claude Code 2.x sends: system blocks with cache_control, a system message in
+    the middle of messages, thinking / context_management / output_config, many tools (and a
+    server tool ds4pool cannot run)."""
+    tools: list[dict[str, Any]] = [
+        {
+            "name": f"Tool{i}",
+            "description": f"tool number {i}",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+        }
+        for i in range(n_tools)
+    ]
+    tools.append({"type": "web_search_20250305", "name": "web_search", "max_uses": 5})
+    return dict(
+        model="demo",
+        max_tokens=6,
+        system=[
+            {"type": "text", "text": "You are Claude Code."},
+            {"type": "text", "text": "Be concise.", "cache_control": {"type": "ephemeral"}},
+        ],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is in src?"}]},
+            {"role": "system", "content": "<system-reminder>plan mode is off</system-reminder>"},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "user", "content": "go on"},
+        ],
+        tools=tools,
+        metadata={"user_id": "user_abc_account_def_session_123"},
+        extra_body={
+            **GREEDY,
+            "thinking": {"type": "enabled", "budget_tokens": 4000},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+            "output_config": {"effort": "high"},
+            "service_tier": "auto",
+        },
+    )
+
+
+def test_a_claude_code_shaped_request_succeeds(server: Server) -> None:
+    c = client(server)
+    kw = claude_code_request(30)
+    msg = c.messages.create(**kw)  # type: ignore[arg-type]
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 6
+    with c.messages.stream(**kw) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.content[0].text == msg.content[0].text  # type: ignore[union-attr]
+    start = events[0]
+    assert start.type == "message_start"
+    # the prompt's size is known when the stream starts (Claude Code reads it there)
+    assert start.message.usage.input_tokens == msg.usage.input_tokens > 100
+    counted = c.messages.count_tokens(
+        model="demo", system=kw["system"], messages=kw["messages"], tools=kw["tools"]
+    )
+    assert counted.input_tokens == msg.usage.input_tokens
+
+
+def test_message_start_reports_cached_input_apart(server: Server) -> None:
+    c = client(server, session="claude-code-start-usage")
+    turn = [{"role": "user", "content": "read main.py"}]
+    first = c.messages.create(model="demo", max_tokens=4, messages=turn, extra_body=GREEDY)
+    turn += [
+        {"role": "assistant", "content": first.content[0].text},  # type: ignore[union-attr]
+        {"role": "user", "content": "and now?"},
+    ]
+    with c.messages.stream(model="demo", max_tokens=4, messages=turn) as stream:
+        start = next(iter(stream))
+        final = stream.get_final_message()
+    assert start.type == "message_start"
+    assert start.message.usage.cache_read_input_tokens == final.usage.cache_read_input_tokens > 0
+    assert start.message.usage.input_tokens == final.usage.input_tokens
+
+
+def test_root_answers_get_and_head(server: Server) -> None:
+    assert httpx.head(server.url + "/").status_code == 200
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_get_one_model(server: Server) -> None:
+    r = httpx.get(server.url + "/v1/models/demo")
+    assert r.status_code == 200 and r.json()["id"] == "demo"
+    missing = httpx.get(server.url + "/v1/models/claude-opus-4")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
 
 
 def _tool_result_turn(content: object) -> list[dict]:

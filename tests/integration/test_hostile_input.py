@@ -104,6 +104,23 @@ CASES = [
         None,
         400,
     ),
+    ("responses: malformed JSON", "/v1/responses", None, b'{"input": [', 400),
+    ("responses: input not a list", "/v1/responses", {"input": {"role": "user"}}, None, 400),
+    ("responses: tools not a list", "/v1/responses", {"input": "hi", "tools": "x"}, None, 400),
+    (
+        "responses: content of the wrong type",
+        "/v1/responses",
+        {"input": [{"type": "message", "role": "user", "content": 5}]},
+        None,
+        400,
+    ),
+    (
+        "responses: deeply nested item",
+        "/v1/responses",
+        None,
+        b'{"input": [' + b'{"content": ' * 1500 + b"1" + b"}" * 1500 + b"]}",
+        400,
+    ),
     (
         "oversized body",
         "/v1/chat/completions",

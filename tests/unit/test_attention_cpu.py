@@ -57,13 +57,14 @@ CASES = {
     "equal decodes": ([1] * 5, [37] * 5),
     "ragged decodes": ([1] * 6, [1, 2, 9, 40, 41, 130]),
     "block-aligned decodes": ([1] * 3, [4, 8, 64]),
+    "long decodes": ([1] * 3, [203, 140, 9]),  # with FIFO ids, the first is attended in place
     "first chunks": ([7, 12], [7, 12]),
     "later chunks": ([5, 9], [23, 9 + 40]),
     "chunks mixed with decodes": ([1, 6, 1, 13, 1], [50, 6, 3, 29, 120]),
 }
 
 
-@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize("window", [None, 10, 150])
 @pytest.mark.parametrize("heads", [(1, 2), (2, 3), (2, 1)], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_the_gathering_reference(
