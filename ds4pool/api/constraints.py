@@ -27,7 +27,7 @@ from ds4pool.output.constraints import (
     reasoning_open,
 )
 from ds4pool.output.detect import detect_tool_format
-from ds4pool.output.tool_grammar import at_most_one_call_spec, no_tool_call_spec, tool_call_spec
+from ds4pool.output.tool_grammar import at_most_one_call_spec, tool_call_spec
 
 
 async def constrain(
@@ -62,8 +62,8 @@ def tool_spec(
     (with `name`). Shared by chat completions, Responses and Anthropic messages."""
     # the same choice as the output processor's, so the parsers read the forced calls back
     fmt = detect_tool_format(tokenizer.chat_template_text(), tokenizer.added_tokens)
-    if choice == "none":
-        return no_tool_call_spec(fmt, param) if tools else None
+    if choice == "none":  # unconstrained: the routes offer no tools and parse no calls
+        return None
 
     def is_token(text: str) -> bool:
         return tokenizer.token_to_id(text) is not None

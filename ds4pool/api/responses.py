@@ -33,6 +33,7 @@ from ds4pool.api.common import (
     sse,
     start,
 )
+from ds4pool.api.constraints import responses_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.prompt import off_loop, render_chat
 from ds4pool.api.responses_input import bad, to_messages, to_tools
@@ -62,6 +63,16 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
         max_tokens=check_max_tokens(data.max_output_tokens, engine, "max_output_tokens"),
         priority=priority_of(request, data.priority, tenant),
         endpoint="responses",
+    )
+    # text.format json_schema / json_object, tool_choice required / a named function,
+    # parallel_tool_calls false: grammar-constrained decoding (400s name the field)
+    req.constraint = await responses_constraint(
+        engine,
+        (data.text or {}).get("format"),
+        data.tool_choice,
+        offered,
+        data.parallel_tool_calls,
+        prompt_text,
     )
     processor = build_processor(
         state.cfg.output, engine.tokenizer, tools=offered, prompt_text=prompt_text
@@ -126,12 +137,8 @@ def _refuse_unsupported(data: ResponsesRequest) -> None:
         raise bad("prompt", "stored prompt templates are not supported")
     if data.truncation not in (None, "disabled"):
         raise bad("truncation", "only truncation 'disabled' is supported")
-    fmt = (data.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("text.format", "only the 'text' format is supported (no json_schema yet)")
-    choice = data.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise bad("tool_choice", "only 'auto' and 'none' are supported (no forced calls yet)")
+    if data.text is not None and not isinstance(data.text.get("format", {}), dict):
+        raise bad("text.format", "text.format must be an object")
 
 
 def _session_id(request: HttpRequest, data: ResponsesRequest) -> str | None:
@@ -167,7 +174,7 @@ def _skeleton(state: ApiState, data: ResponsesRequest, tools: Any) -> Json:
         "store": bool(data.store),
         "temperature": data.temperature,
         "top_p": data.top_p,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": {"type": "text"}, **(data.text or {})},
         "tool_choice": data.tool_choice or "auto",
         # the function tools as the client sent them (flat); dropped types are not echoed
         "tools": [t for t in data.tools or [] if t.get("type") == "function"] if tools else [],

@@ -34,7 +34,7 @@ _DS = {  # DeepSeek-V3's markers
     "call_end": "<｜tool▁call▁end｜>",
     "sep": "<｜tool▁sep｜>",
 }
-# the text that opens a call, per format (what tool_choice "none" forbids)
+# the text that opens a call, per format (free text before an optional call never holds it)
 OPENERS = {
     "hermes": "<tool_call>",
     "llama3_json": '{"name"',
@@ -81,13 +81,6 @@ def at_most_one_call_spec(
     text = {"type": "any_text", "excludes": [OPENERS[fmt]]}
     call = {"type": "optional", "content": _calls(fmt, tools, is_token, parallel=False)}
     return _tag(_seq([text, call]), param)
-
-
-def no_tool_call_spec(fmt: str | None, param: str = "tool_choice") -> GrammarSpec | None:
-    """tool_choice "none": any text that never opens a tool call (None: nothing to forbid)."""
-    if fmt not in FORCEABLE or fmt == "llama3_json":  # its opener is ordinary JSON text
-        return None
-    return _tag({"type": "any_text", "excludes": [OPENERS[fmt]]}, param)
 
 
 def _check_format(fmt: str | None, param: str) -> None:

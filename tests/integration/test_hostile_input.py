@@ -89,7 +89,8 @@ CASES = [
     (
         "anthropic: bad role",
         "/v1/messages",
-        {"model": "m", "max_tokens": 3, "messages": [{"role": "system", "content": "x"}]},
+        # "system" is accepted (Claude Code sends it mid-conversation); "tool" is not Anthropic's
+        {"model": "m", "max_tokens": 3, "messages": [{"role": "tool", "content": "x"}]},
         None,
         400,
     ),

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -23,7 +24,18 @@ RULES = [
     {"match": r"<tool_response>\nREADME.md", "reply": "The directory holds README.md and src."},
     {"match": "list the files", "reply": LS_CALL},
     {"match": "look inside src", "reply": f"<think>\nI should run ls.\n</think>\n\n{LS_CALL}"},
+    {"match": "judge it", "reply": '{"verdict": "ok", "score": 7}'},
+    {"match": "say hi", "reply": "hi there"},
 ]
+VERDICT = {
+    "type": "object",
+    "properties": {
+        "verdict": {"enum": ["ok", "bad"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+    },
+    "required": ["verdict", "score"],
+    "additionalProperties": False,
+}
 SHELL_TOOL = {
     "type": "function",
     "name": "shell",
@@ -124,3 +136,51 @@ def test_reasoning_comes_back_as_a_reasoning_item(server: Server) -> None:
     events = list(c.responses.create(input=[user("look inside src")], stream=True, **request()))
     text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert text.strip() == "I should run ls."
+
+
+def test_text_format_json_schema_is_honoured(server: Server) -> None:
+    c = client(server)
+    fmt = {"type": "json_schema", "name": "verdict", "schema": VERDICT, "strict": True}
+    kw: dict[str, Any] = dict(model="m", text={"format": fmt}, max_output_tokens=60)
+    r = c.responses.create(input=[user("judge it")], **kw)
+    assert json.loads(r.output_text) == {"verdict": "ok", "score": 7}
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
+    # a reply that is no JSON at all is bent into the schema by the grammar
+    bent = c.responses.create(input=[user("say hi")], **kw)
+    value = json.loads(bent.output_text)
+    assert value["verdict"] in ("ok", "bad") and 0 <= value["score"] <= 10
+    events = list(c.responses.create(input=[user("judge it")], stream=True, **kw))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text
+
+
+def test_tool_choice_required_and_named_force_a_call(server: Server) -> None:
+    c = client(server)
+    kw = request(max_output_tokens=80)
+    assert c.responses.create(input=[user("say hi")], **kw).output_text == "hi there"
+    for choice in ("required", {"type": "function", "name": "shell"}):
+        kw["tool_choice"] = choice
+        r = c.responses.create(input=[user("say hi")], **kw)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "shell", (choice, r.output)
+        assert isinstance(json.loads(calls[0].arguments), dict)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "schema": VERDICT}}}, "text.format.name"),
+        ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [SHELL_TOOL]},
+         "tool_choice"),
+    ],
+)  # fmt: skip
+def test_constraints_it_cannot_honour_are_400s(
+    server: Server, body: dict[str, Any], param: str
+) -> None:
+    r = httpx.post(
+        server.url + "/v1/responses", json={"model": "m", "input": "hi", **body}, timeout=30
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -14,7 +14,7 @@ from ds4pool.output.constraints import (
     reasoning_open,
 )
 from ds4pool.output.detect import detect_tool_format
-from ds4pool.output.tool_grammar import at_most_one_call_spec, no_tool_call_spec, tool_call_spec
+from ds4pool.output.tool_grammar import at_most_one_call_spec, tool_call_spec
 from tests.real_tokenizers import real_tokenizer_dir
 
 xgr = pytest.importorskip("xgrammar")
@@ -104,14 +104,6 @@ def test_parallel_calls_and_parallel_false() -> None:
     assert matches(cache, tok, single, EXPECTED["hermes"])
     assert not matches(cache, tok, single, two)
     assert not matches(cache, tok, single, "Sure! " + EXPECTED["hermes"])
-
-
-def test_tool_choice_none_forbids_opening_a_call() -> None:
-    tok, cache = grammars("qwen3")
-    spec = no_tool_call_spec("hermes")
-    assert spec is not None
-    assert matches(cache, tok, spec, "The weather in Paris is fine.")
-    assert not matches(cache, tok, spec, EXPECTED["hermes"])
 
 
 def test_json_schema_whitespace_is_fixed() -> None:
