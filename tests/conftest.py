@@ -21,10 +21,18 @@ def _importable(name: str) -> bool:
 
 
 # The GPU image has torch but not the server stack: there `pytest -m cuda tests` collects
-# the engine and GPU tests and leaves out the suites that need a real server.
-collect_ignore = (
-    [] if all(map(_importable, ("uvicorn", "litestar"))) else ["integration", "reliability"]
-)
+# only the files that hold CUDA tests (engine, kernels, fidelity, sampler), which need torch
+# alone, and leaves out the suites that need a real server or the API's libraries.
+SERVER_STACK = all(map(_importable, ("uvicorn", "litestar")))
+collect_ignore = [] if SERVER_STACK else ["integration", "reliability"]
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if SERVER_STACK or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.cuda" not in collection_path.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("xgrammar", reason="grammar-constrained decoding needs xgrammar")
+
 from ds4pool.engine import Engine, EngineConfig
 from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.loader import load_model
