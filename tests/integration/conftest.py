@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,3 +66,14 @@ def serve(loaded: LoadedModel) -> Iterator[Callable[..., Server]]:
         server.should_exit = True
         thread.join(timeout=10)
         engine.close()
+
+
+def scripted_qwen3(tmp: Path, rules: list[dict[str, Any]]) -> LoadedModel:
+    """The scripted test model with the real Qwen3 tokenizer (skips where it is absent),
+    its rules written under `tmp`: what the modules testing structured output load."""
+    from tests.real_tokenizers import real_tokenizer_dir
+
+    path = tmp / "rules.json"
+    path.write_text(json.dumps(rules))
+    qwen3 = real_tokenizer_dir("qwen3")
+    return load_model(f"scripted:{path}", torch.device("cpu"), torch.float32, tokenizer_dir=qwen3)

@@ -4,18 +4,14 @@ thinking / context_management / output_config, dozens of tools and a server tool
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
-import torch
 
-from ds4pool.model.loader import LoadedModel, load_model
-from tests.integration.conftest import Server
-from tests.real_tokenizers import real_tokenizer_dir
+from ds4pool.model.loader import LoadedModel
+from tests.integration.conftest import Server, scripted_qwen3
 
 READ_CALL = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "src/main.py"}}\n</tool_call>'
 RULES = [
@@ -28,10 +24,7 @@ RULES = [
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     # Overrides conftest's demo model for this module's `serve` fixture.
-    rules = Path(tmp_path_factory.mktemp("rules")) / "rules.json"
-    rules.write_text(json.dumps(RULES))
-    qwen3 = real_tokenizer_dir("qwen3")
-    return load_model(f"scripted:{rules}", torch.device("cpu"), torch.float32, tokenizer_dir=qwen3)
+    return scripted_qwen3(tmp_path_factory.mktemp("rules"), RULES)
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import torch
 
-from ds4pool.model.loader import LoadedModel, load_model
-from tests.integration.conftest import Server
-from tests.real_tokenizers import real_tokenizer_dir
+from ds4pool.model.loader import LoadedModel
+from tests.integration.conftest import Server, scripted_qwen3
 
 LS_CALL = '<tool_call>\n{"name": "shell", "arguments": {"command": ["ls"]}}\n</tool_call>'
 RULES = [
@@ -52,10 +49,7 @@ SHELL_TOOL = {
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     # Overrides conftest's demo model for this module's `serve` fixture.
-    rules = Path(tmp_path_factory.mktemp("rules")) / "rules.json"
-    rules.write_text(json.dumps(RULES))
-    qwen3 = real_tokenizer_dir("qwen3")
-    return load_model(f"scripted:{rules}", torch.device("cpu"), torch.float32, tokenizer_dir=qwen3)
+    return scripted_qwen3(tmp_path_factory.mktemp("rules"), RULES)
 
 
 @pytest.fixture(scope="module")

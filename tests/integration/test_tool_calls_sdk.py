@@ -10,12 +10,10 @@ from collections.abc import Callable
 import anthropic
 import openai
 import pytest
-import torch
 
-from ds4pool.model.loader import LoadedModel, load_model
+from ds4pool.model.loader import LoadedModel
 from ds4pool.output.processor import OutputConfig
-from tests.integration.conftest import Server
-from tests.real_tokenizers import real_tokenizer_dir
+from tests.integration.conftest import Server, scripted_qwen3
 
 pytest.importorskip("ds4pool.model.scripted", reason="needs the scripted test model")
 
@@ -73,10 +71,7 @@ ASK = "What is the weather in Paris? Then write a todo note."
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     # Overrides conftest's demo model for this module's `serve` fixture.
-    rules = tmp_path_factory.mktemp("rules") / "rules.json"
-    rules.write_text(json.dumps(RULES))
-    qwen3 = real_tokenizer_dir("qwen3")
-    return load_model(f"scripted:{rules}", torch.device("cpu"), torch.float32, tokenizer_dir=qwen3)
+    return scripted_qwen3(tmp_path_factory.mktemp("rules"), RULES)
 
 
 @pytest.fixture(scope="module")
