@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+from ds4pool.model.config import ModelConfig
+from ds4pool.model.demo import init_random_
+from ds4pool.model.loader import LoadedModel, build_empty
+from ds4pool.model.runner import ModelRunner
+
 TINY = {
     "vocab_size": 384,
     "hidden_size": 64,
@@ -64,3 +69,25 @@ def build_hf_model(
     model.generation_config.pad_token_id = 0
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "5GB")
     return model
+
+
+def tiny_runner(vocab: int, seed: int, block_size: int) -> ModelRunner:
+    """A 2-layer random Llama (GQA 4/2, hidden 64) on CPU in fp32 behind a ModelRunner with
+    128 blocks, built in memory (no tokenizer): for runner-level batching and masking tests."""
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+        }
+    )
+    model = build_empty(cfg, torch.device("cpu"), torch.float32)
+    init_random_(model, seed=seed)
+    cpu = torch.device("cpu")
+    loaded = LoadedModel(model, cfg, None, "t", None, cpu, torch.float32, "t")  # type: ignore[arg-type]
+    return ModelRunner(loaded, num_blocks=128, block_size=block_size)

@@ -6,32 +6,15 @@ import pytest
 import torch
 
 from ds4pool.kv.blocks import BlockPool, BlockTable
-from ds4pool.model.config import ModelConfig
-from ds4pool.model.demo import init_random_
-from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.runner import ModelRunner, SeqInput
+from tests.hf_models import tiny_runner
 
 BLOCK = 8
 
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    cfg = ModelConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 300,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-        }
-    )
-    model = build_empty(cfg, torch.device("cpu"), torch.float32)
-    init_random_(model, seed=3)
-    loaded = LoadedModel(model, cfg, None, "t", None, torch.device("cpu"), torch.float32, "t")  # type: ignore[arg-type]
-    return ModelRunner(loaded, num_blocks=128, block_size=BLOCK)
+    return tiny_runner(300, seed=3, block_size=BLOCK)
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from ds4pool.kv.blocks import BlockPool, BlockTable
-from ds4pool.model.config import ModelConfig
-from ds4pool.model.demo import init_random_
 from ds4pool.model.grammar import apply_token_bitmask, forbidden_tokens
-from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.runner import ModelRunner, SeqInput
 from ds4pool.model.sampler import GREEDY, SamplingParams
+from tests.hf_models import tiny_runner
 
 BLOCK = 8
 VOCAB = 300  # 10 words of 32 bits, the last one partly padding
@@ -27,22 +25,7 @@ SAMPLINGS = {
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    cfg = ModelConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-        }
-    )
-    model = build_empty(cfg, torch.device("cpu"), torch.float32)
-    init_random_(model, seed=5)
-    loaded = LoadedModel(model, cfg, None, "t", None, torch.device("cpu"), torch.float32, "t")  # type: ignore[arg-type]
-    return ModelRunner(loaded, num_blocks=128, block_size=BLOCK)
+    return tiny_runner(VOCAB, seed=5, block_size=BLOCK)
 
 
 def bitmask(allowed: set[int], vocab: int = VOCAB) -> torch.Tensor:
