@@ -2,7 +2,8 @@
 
 Decode-only steps (one query per sequence) use the split-K decode kernel; every other step
 (prompt chunks, mixed with decodes) uses the varlen prefill kernel, which reads the cached
-prefix from the blocks in place. K/V are written by slot mapping (one fused kernel for
+prefix from the blocks in place, split-K over the keys when its live query tiles would leave
+SMs idle (a short chunk or a few decode rows over a long context). K/V are written by slot mapping (one fused kernel for
 both) before either kernel runs. Both kernels size their grids from tensor shapes only,
 so a decode step over persistent buffers can be captured in a CUDA graph
 (ds4pool/model/cuda_graphs.py) and replayed with new values.
@@ -73,6 +74,7 @@ class TritonPagedAttention:
             )
         else:
             assert meta.query_start is not None
+            parts = self.prefill_partitions(meta, q.shape[1], k.shape[1])
             self._k.paged_prefill(
                 q,
                 cache[0],
@@ -84,5 +86,19 @@ class TritonPagedAttention:
                 scale,
                 out,
                 sliding_window=meta.sliding_window,
+                num_partitions=parts,
             )
         return out
+
+    def prefill_partitions(self, meta: AttentionMetadata, heads: int, kv_heads: int) -> int:
+        """Split-K factor of an eager step, from its host-side counts: the prompt chunks'
+        query tiles (the long walks; decode rows' tiles are short next to them, and count
+        only in a step without chunks) times the kv heads, against the SMs."""
+        group = heads // kv_heads
+        block_q = self._k.prefill_block_m(meta.max_query_len, group) // group
+        tiles = sum(-(-(p.token_end - p.token_start) // block_q) for p in meta.prefills)
+        tiles = tiles or int(meta.decode_rows.shape[0])
+        max_context = max(
+            [p.context_len for p in meta.prefills] + [meta.max_decode_blocks * meta.block_size]
+        )
+        return self._k.prefill_num_partitions(tiles * kv_heads, max_context, self._sms)

@@ -33,7 +33,8 @@ class Case:
     block_n: int = 16
     block_m: int = 32  # prefill only
     partition_size: int = 512  # decode only
-    num_partitions: int | None = None  # decode: a fixed split per row instead of partition_size
+    # decode: a fixed split per row instead of partition_size; prefill: split-K over the keys
+    num_partitions: int | None = None
     window: int | None = None
     strided_q: bool = False  # q as a slice of a wider (fused qkv-like) buffer
     dtype: str = "float32"  # float16 too; the interpreter's bf16 tl.dot is broken (triton 3.9)
@@ -86,6 +87,20 @@ CASES: dict[str, Case] = {
     ),
     "decode_window_wide_tiles": Case(
         "decode", [300, 130, 7], block_n=64, partition_size=128, window=70
+    ),
+    # split-K prefill: a chunk after a long cached prefix and decode rows, 3 and 5 pieces
+    # (more pieces than some rows' keys: those partials must weigh nothing)
+    "prefill_split_chunk": Case(
+        "prefill", [150, 7, 90, 1], [6, 1, 40, 1], heads=8, kv_heads=2, num_partitions=3
+    ),
+    "prefill_split_many": Case(
+        "prefill", [260, 33], [20, 1], heads=4, kv_heads=1, block_n=32, num_partitions=5
+    ),
+    "prefill_split_window": Case(
+        "prefill", [200, 90, 12], [30, 1, 12], kv_heads=1, block_n=32, window=50, num_partitions=4
+    ),
+    "prefill_split_fp16": Case(
+        "prefill", [120, 9], [10, 1], dtype="float16", num_partitions=2, strided_q=True
     ),
     "decode_fp16_int64": Case(
         "decode", [5, 70, 0, 33], partition_size=32, dtype="float16", index64=True
@@ -147,6 +162,7 @@ def _run_case(name: str) -> dict:
             q, k_cache, v_cache, case.block_tables, case.query_start, case.context_lens,
             max(q_lens), case.scale, out, sliding_window=c.window,
             launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
+            num_partitions=c.num_partitions or 1,
         )  # fmt: skip
     ref = reference(case, c.window)
     empty_rows = [i for i, n in enumerate(c.context_lens) if n == 0]

@@ -71,12 +71,12 @@ def test_decode_reduce_compiles() -> None:
     compile_sm90(dk.decode_reduce_kernel, consts, 4, 2)
 
 
-@pytest.mark.parametrize("window", [False, True])
-def test_prefill_compiles_pipelined(window: bool) -> None:
+@pytest.mark.parametrize("window, split", [(False, False), (True, False), (False, True)])
+def test_prefill_compiles_pipelined(window: bool, split: bool) -> None:
     launch = ta.DEFAULT_PREFILL
     consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=launch.block_m,
                   BLOCK_Q=launch.block_m // 4, BLOCK_N=launch.block_n, USE_WINDOW=window,
-                  PRECISION="tf32")  # fmt: skip
+                  PRECISION="tf32", SPLIT=split)  # fmt: skip
     kernel = compile_sm90(pk.prefill_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
     assert kernel.asm["ttgir"].count("warp_group_dot") > 0, "no Hopper wgmma"
@@ -85,6 +85,19 @@ def test_prefill_compiles_pipelined(window: bool) -> None:
 def test_prefill_compiles_for_decode_rows() -> None:
     """max_query_len 1: paged_prefill shrinks the tile to 16 rows (G=4 heads of one token)."""
     consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=64,
-                  USE_WINDOW=False, PRECISION="tf32")  # fmt: skip
+                  USE_WINDOW=False, PRECISION="tf32", SPLIT=True)  # fmt: skip
     kernel = compile_sm90(pk.prefill_kernel, consts, 4, ta.DEFAULT_PREFILL.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
+
+
+def test_prefill_reduce_compiles() -> None:
+    compile_sm90(pk.prefill_reduce_kernel, dict(H=32, D=128, D_PAD=128, P_CHUNK=16), 4, 2)
+
+
+def test_prefill_split_policy() -> None:
+    """Split only a grid that leaves SMs idle; never into pieces under 512 keys, at most 64."""
+    assert ta.prefill_num_partitions(programs=512, max_context=16384, num_sms=132) == 1
+    assert ta.prefill_num_partitions(programs=16, max_context=16384, num_sms=132) == 32
+    assert ta.prefill_num_partitions(programs=128, max_context=16384, num_sms=132) == 5
+    assert ta.prefill_num_partitions(programs=16, max_context=700, num_sms=132) == 1
+    assert ta.prefill_num_partitions(programs=1, max_context=1 << 20, num_sms=132) == 64

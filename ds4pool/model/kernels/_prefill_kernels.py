@@ -1,4 +1,5 @@
-"""Varlen causal prefill over the paged cache, GQA heads folded into M (see triton_attention)."""
+"""Varlen causal prefill over the paged cache, GQA heads folded into M, optionally split-K over
+the keys with a reduce (see triton_attention)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def attend_range(
 
 
 # the table width changes from step to step: no divisibility specialisation, no recompile
-@triton.jit(do_not_specialize=["window", "stride_ts"])
+@triton.jit(do_not_specialize=["window", "stride_ts", "num_parts", "n_heads"])
 def prefill_kernel(
     q_ptr,
     k_ptr,
@@ -68,8 +69,12 @@ def prefill_kernel(
     qstart_ptr,
     lens_ptr,
     out_ptr,
+    part_out_ptr,  # SPLIT: [T, H, P, D] fp32 partial outputs, each normalised by its own sum
+    part_lse_ptr,  # SPLIT: [T, H, P] fp32 log2-sum-exp of each partial (-inf: saw no key)
     scale_log2,
     window,
+    num_parts,
+    n_heads,
     stride_qt,
     stride_qh,
     stride_kn,
@@ -90,8 +95,10 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0) // num_parts
+    part = tl.program_id(0) % num_parts
     # last (longest, causal) query tiles first, so that short ones fill the tail of the grid
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -132,6 +139,15 @@ def prefill_kernel(
         k_mid = tl.minimum(tl.maximum(pos_last - window + BLOCK_N, k_start) // BLOCK_N * BLOCK_N,
                            k_diag)  # fmt: skip
 
+    # split-K: partition `part` of num_parts takes an equal, BLOCK_N-aligned share of the
+    # tile's keys [k_start, pos_last]; each run below is clipped to it
+    p_lo = k_start
+    p_hi = pos_last + 1
+    if SPLIT:
+        share = tl.cdiv(tl.cdiv(pos_last + 1 - k_start, num_parts), BLOCK_N) * BLOCK_N
+        p_lo = k_start + part * share
+        p_hi = tl.minimum(p_lo + share, pos_last + 1)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -139,22 +155,76 @@ def prefill_kernel(
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
         stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-        k_start, k_mid, k_lo, pos_last, scale_log2, window, d, d_mask,
-        BS, BLOCK_N, True, USE_WINDOW, PRECISION,
+        tl.maximum(k_start, p_lo), tl.minimum(k_mid, p_hi), k_lo, pos_last, scale_log2, window,
+        d, d_mask, BS, BLOCK_N, True, USE_WINDOW, PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
         stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-        k_mid, k_diag, k_lo, pos_last, scale_log2, window, d, d_mask,
-        BS, BLOCK_N, False, USE_WINDOW, PRECISION,
+        tl.maximum(k_mid, p_lo), tl.minimum(k_diag, p_hi), k_lo, pos_last, scale_log2, window,
+        d, d_mask, BS, BLOCK_N, False, USE_WINDOW, PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = attend_range(
         acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_row, kv_head,
         stride_kn, stride_kt, stride_kh, stride_vn, stride_vt, stride_vh,
-        k_diag, pos_last + 1, k_lo, pos_last, scale_log2, window, d, d_mask,
-        BS, BLOCK_N, True, USE_WINDOW, PRECISION,
+        tl.maximum(k_diag, p_lo), p_hi, k_lo, pos_last, scale_log2, window,
+        d, d_mask, BS, BLOCK_N, True, USE_WINDOW, PRECISION,
     )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_rows = (q_begin + tok).to(tl.int64) * stride_ot + heads * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    if SPLIT:
+        # a row that saw no key in this partition gets weight 0 in the reduce
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
+        slot = ((q_begin + tok).to(tl.int64) * n_heads + heads) * num_parts + part  # [BLOCK_M]
+        tl.store(part_out_ptr + slot[:, None] * D + d[None, :], o, mask=io_mask)
+        tl.store(part_lse_ptr + slot, lse, mask=row_valid)
+    else:
+        o_rows = (q_begin + tok).to(tl.int64) * stride_ot + heads * stride_oh
+        o_ptrs = out_ptr + o_rows[:, None] + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit(do_not_specialize=["num_parts"])
+def prefill_reduce_kernel(
+    part_out_ptr,  # [T, H, P, D] fp32
+    part_lse_ptr,  # [T, H, P] fp32
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_parts,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    P_CHUNK: tl.constexpr,
+):
+    """out[t, h] = the partials of (t, h) weighted by exp2(lse_p - max lse)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (t.to(tl.int64) * H + h) * num_parts
+    top_c = tl.full([P_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_parts, P_CHUNK):
+        p = c + tl.arange(0, P_CHUNK)
+        lse = tl.load(part_lse_ptr + row + p, mask=p < num_parts, other=float("-inf"))
+        top_c = tl.maximum(top_c, lse)
+    top = tl.max(top_c, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    d = tl.arange(0, D_PAD)
+    d_mask = d < D
+    acc = tl.zeros([D_PAD], tl.float32)
+    total = tl.zeros([P_CHUNK], tl.float32)
+    for c in range(0, num_parts, P_CHUNK):
+        p = c + tl.arange(0, P_CHUNK)
+        ran = p < num_parts
+        lse = tl.load(part_lse_ptr + row + p, mask=ran, other=float("-inf"))
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # [P_CHUNK]
+        o = tl.load(
+            part_out_ptr + (row + p)[:, None] * D + d[None, :],
+            mask=ran[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(w[:, None] * o, 0)
+        total += w
+    denom = tl.sum(total, 0)
+    res = acc / tl.where(denom > 0.0, denom, 1.0)
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_mask)

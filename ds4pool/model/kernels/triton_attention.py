@@ -30,8 +30,13 @@ head m % G), so K/V tiles are shared by the G heads without repeating them. Grid
 sliding window's lower edge (masked), those every row sees in full (no mask), and the few on
 the causal diagonal (masked); tiles above the diagonal or before the window are never visited.
 The longest (last) query tiles launch first. q_len = 1 rows work, so a mixed step can use
-this kernel for all its tokens (a step of single tokens gets a 16-row tile), though decode rows
-there get no split-K: `paged_decode` is the faster call for them.
+this kernel for all its tokens (a step of single tokens gets a 16-row tile). A short chunk (or
+a few decode rows) over a long cached context has few tiles, so with `num_partitions` P > 1 the
+grid becomes (S * P, tiles, H_kv): program p walks the p-th of P equal, BLOCK_N-aligned shares
+of its tile's keys (the three runs clipped to it) and writes a partial normalised by its own
+sum plus its log-sum-exp (-inf for a row that saw no key there) into [T, H, P, D] scratch; a
+reduce kernel, grid (T, H), combines them. On the H200 a 64-token chunk at a 16k context took
+17.8 ms of prefill-kernel time per step (32 layers) with 16 programs walking 16k keys each.
 
 CUDA-graph safety: every grid and scratch size derives from tensor SHAPES and host ints
 (max_blocks, B, H, max_query_len), never from the values in context_lens / query_start /
@@ -58,7 +63,7 @@ import torch
 import triton
 
 from ds4pool.model.kernels._decode_kernels import decode_kernel, decode_reduce_kernel
-from ds4pool.model.kernels._prefill_kernels import prefill_kernel
+from ds4pool.model.kernels._prefill_kernels import prefill_kernel, prefill_reduce_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -225,10 +230,15 @@ def paged_prefill(
     *,
     sliding_window: int | None = None,
     launch: PrefillLaunch = DEFAULT_PREFILL,
+    num_partitions: int = 1,
 ) -> None:
     """Causal varlen attention of each sequence's new tokens over its paged context.
 
     max_query_len must be >= every q_len (it sizes the grid; rows past it are not computed).
+    num_partitions > 1 splits every query tile's keys into that many equal pieces, one
+    program each, and a reduce kernel combines their partials (split-K: a short chunk over a
+    long cached context would otherwise run a handful of programs, each over every key; see
+    `prefill_num_partitions`).
     """
     n_heads, h_kv, d = _check_common(q, k_cache, v_cache, out)
     n_seqs = block_tables.shape[0]
@@ -237,23 +247,52 @@ def paged_prefill(
     if n_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
         return
     g = n_heads // h_kv
-    # short queries (decode rows, q_len * G <= 16) get a 16-row tile instead of wasting most of
-    # BLOCK_M; the tile never drops below one token's G heads
-    rows = max(triton.next_power_of_2(max_query_len * g), 16)
-    block_m = max(min(launch.block_m, rows), triton.next_power_of_2(g), 16)
+    block_m = prefill_block_m(max_query_len, g, launch)
     block_q = block_m // g
     num_warps = launch.num_warps if block_m >= 64 else min(launch.num_warps, 4)
     window = sliding_window or 0
-    grid = (n_seqs, math.ceil(max_query_len / block_q), h_kv)
+    parts = max(1, num_partitions)
+    split = parts > 1
+    tokens, d_pad = q.shape[0], triton.next_power_of_2(d)
+    part_out = part_lse = out  # unused unless split
+    if split:
+        part_out = torch.empty((tokens, n_heads, parts, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((tokens, n_heads, parts), dtype=torch.float32, device=q.device)
+    grid = (n_seqs * parts, math.ceil(max_query_len / block_q), h_kv)
     prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start, context_lens, out,
-        scale * _LOG2E, window,
+        q, k_cache, v_cache, block_tables, query_start, context_lens, out, part_out, part_lse,
+        scale * _LOG2E, window, parts, n_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        G=g, D=d, D_PAD=triton.next_power_of_2(d), BS=k_cache.shape[1],
+        G=g, D=d, D_PAD=d_pad, BS=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=launch.block_n,
-        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
+        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype), SPLIT=split,
         num_warps=num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
+    if split:
+        prefill_reduce_kernel[(tokens, n_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), parts,
+            H=n_heads, D=d, D_PAD=d_pad, P_CHUNK=16, num_warps=4,
+        )  # fmt: skip
+
+
+def prefill_block_m(max_query_len: int, group: int, launch: PrefillLaunch = DEFAULT_PREFILL) -> int:
+    """Rows of a prefill tile: short queries (decode rows, q_len * G <= 16) get a 16-row tile
+    instead of wasting most of BLOCK_M; the tile never drops below one token's G heads."""
+    rows = max(triton.next_power_of_2(max_query_len * group), 16)
+    return max(min(launch.block_m, rows), triton.next_power_of_2(group), 16)
+
+
+def prefill_num_partitions(
+    programs: int, max_context: int, num_sms: int, min_partition: int = 512
+) -> int:
+    """Split-K factor for `paged_prefill` (eager steps, so host values may decide it):
+    fewer than 2 live (query tile, kv head) programs per SM leave SMs idle, so split each
+    tile's keys until there are about 4 per SM, in pieces of at least `min_partition` keys,
+    at most 64 (the reduce reads P partials per row)."""
+    if programs >= 2 * num_sms:
+        return 1
+    want = -(-4 * num_sms // max(1, programs))
+    return max(1, min(want, max_context // min_partition, 64))
