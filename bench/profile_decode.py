@@ -2,10 +2,13 @@
 kernels inside (torch.profiler sees the kernels of graph replays through CUPTI).
 
     python bench/profile_decode.py --model random:llama3-8b --batch 1 64
+    python bench/profile_decode.py --batch 8 --mixed 128 512 --mixed-ctx 8192 16384
 
 Prints per batch size: step ms (runner.step, incl. input upload, sampling and the one
 readback), replay ms (the graph alone, CUDA events), kernels per step and the top kernels
-by device time.
+by device time. With --mixed, also mixed steps (eager): the batch's decoders next to one
+prompt chunk of each size whose cached context ends at each --mixed-ctx; host-bound when
+the step takes longer than its kernels.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--mixed", type=int, nargs="*", default=[], help="prompt chunk sizes")
+    ap.add_argument("--mixed-ctx", type=int, nargs="+", default=[8192])
     args = ap.parse_args()
     device = torch.device("cuda")
     loaded = load_model(args.model, device, torch.bfloat16)
     per_seq = -(-(args.prompt_len + 64) // 16)
-    runner = ModelRunner(loaded, num_blocks=per_seq * max(args.batch) + 1)
+    long_blocks = -(-(max(args.mixed_ctx) + max(args.mixed, default=0)) // 16) if args.mixed else 0
+    runner = ModelRunner(loaded, num_blocks=per_seq * max(args.batch) + long_blocks + 1)
     for b in args.batch:
         pool = BlockPool(runner.num_blocks)
         tables = [BlockTable(16) for _ in range(b)]
@@ -86,8 +92,58 @@ def main() -> None:
         print("|---|---:|---:|")
         for e in events[: args.top]:
             print(f"| {e.key[:90]} | {e.count / 3:.0f} | {e.device_time_total / 3:.0f} |")
+        for chunk in args.mixed:
+            for ctx in args.mixed_ctx:
+                profile_mixed(runner, pool, seqs(n), chunk, ctx, args.top)
         for t in tables:
             t.release(pool)
+
+
+def kernel_table(prof: profile, steps: int, top: int) -> tuple[float, float]:
+    """Prints the top kernels; returns (kernels, device ms) per step."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels = sum(e.count for e in events) / steps
+    device_ms = sum(e.device_time_total for e in events) / steps / 1e3
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    print("| kernel | calls/step | µs/step |")
+    print("|---|---:|---:|")
+    for e in events[:top]:
+        print(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.device_time_total / steps:.0f} |")
+    return kernels, device_ms
+
+
+def profile_mixed(
+    runner: ModelRunner, pool: BlockPool, decoders: list[SeqInput], chunk: int, ctx: int, top: int
+) -> None:
+    """One eager mixed step: the decoders plus a `chunk`-token prompt chunk at `ctx`."""
+    table = BlockTable(16)
+    table.ensure(pool, ctx + chunk)
+    ids = [(7 * i) % runner.loaded.config.vocab_size for i in range(chunk)]
+    step = [*decoders, SeqInput(ids, ctx, table.blocks, sample=False)]
+    for _ in range(2):
+        runner.step(step)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.step(step)
+        times.append((time.perf_counter() - t0) * 1e3)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            runner.step(step)
+    print(f"\n## mixed: {len(decoders)} decoders + a {chunk}-token chunk at context {ctx}")
+    kernels, device_ms = kernel_table(prof, 2, top)
+    host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    print("| host op | calls/step | self µs/step |")
+    print("|---|---:|---:|")
+    for e in host[:top]:
+        print(f"| {e.key[:60]} | {e.count / 2:.0f} | {e.self_cpu_time_total / 2:.0f} |")
+    print(
+        f"step {statistics.median(times):.2f} ms, kernels {device_ms:.2f} ms "
+        f"({kernels:.0f} per step)"
+    )
+    table.release(pool)
 
 
 if __name__ == "__main__":
