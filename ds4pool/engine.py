@@ -120,6 +120,8 @@ class Engine:
             backend=cfg.attention_backend,
             cuda_graphs=cfg.cuda_graphs,
             max_decode_batch=cfg.max_batch_size,
+            # the chunks that run next to decoders get graphs (capped: each size is captured)
+            max_graph_chunk=min(prefill_tokens(cfg, loaded.device), 2048),
         )
         self.pool = SessionPool(
             PoolConfig(

@@ -57,6 +57,9 @@ class AttentionMetadata:
     query_start: torch.Tensor | None = None  # [B + 1] int32
     max_query_len: int = 1
     decode_only: bool = False
+    # A fixed split-K factor for the prefill kernel (captured mixed-step graphs); None lets
+    # the backend pick one from the step's host-side counts.
+    prefill_partitions: int | None = None
 
     @property
     def num_tokens(self) -> int:

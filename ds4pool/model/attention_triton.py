@@ -3,9 +3,10 @@
 Decode-only steps (one query per sequence) use the split-K decode kernel; every other step
 (prompt chunks, mixed with decodes) uses the varlen prefill kernel, which reads the cached
 prefix from the blocks in place, split-K over the keys when its live query tiles would leave
-SMs idle (a short chunk or a few decode rows over a long context). K/V are written by slot mapping (one fused kernel for
-both) before either kernel runs. Both kernels size their grids from tensor shapes only,
-so a decode step over persistent buffers can be captured in a CUDA graph
+SMs idle (a short chunk or a few decode rows over a long context). K/V are written by slot
+mapping (one fused kernel for both) before either kernel runs. Both kernels size their grids
+from tensor shapes only (a captured mixed step fixes the prefill split-K factor in its
+metadata), so decode and mixed steps over persistent buffers can be captured in CUDA graphs
 (ds4pool/model/cuda_graphs.py) and replayed with new values.
 """
 
@@ -74,7 +75,7 @@ class TritonPagedAttention:
             )
         else:
             assert meta.query_start is not None
-            parts = self.prefill_partitions(meta, q.shape[1], k.shape[1])
+            parts = meta.prefill_partitions or self.prefill_partitions(meta, q.shape[1], k.shape[1])
             self._k.paged_prefill(
                 q,
                 cache[0],
@@ -94,11 +95,22 @@ class TritonPagedAttention:
         """Split-K factor of an eager step, from its host-side counts: the prompt chunks'
         query tiles (the long walks; decode rows' tiles are short next to them, and count
         only in a step without chunks) times the kv heads, against the SMs."""
-        group = heads // kv_heads
-        block_q = self._k.prefill_block_m(meta.max_query_len, group) // group
+        block_q = self.prefill_tile_tokens(meta.max_query_len, heads, kv_heads)
         tiles = sum(-(-(p.token_end - p.token_start) // block_q) for p in meta.prefills)
         tiles = tiles or int(meta.decode_rows.shape[0])
         max_context = max(
             [p.context_len for p in meta.prefills] + [meta.max_decode_blocks * meta.block_size]
         )
+        return self._k.prefill_num_partitions(tiles * kv_heads, max_context, self._sms)
+
+    def prefill_tile_tokens(self, max_query_len: int, heads: int, kv_heads: int) -> int:
+        group = heads // kv_heads
+        return self._k.prefill_block_m(max_query_len, group) // group
+
+    def graph_prefill_partitions(
+        self, chunk_tokens: int, heads: int, kv_heads: int, max_context: int
+    ) -> int:
+        """The split-K factor of a captured mixed step, from its shape only: one chunk of
+        `chunk_tokens` (padded) over a table `max_context` tokens wide."""
+        tiles = -(-chunk_tokens // self.prefill_tile_tokens(chunk_tokens, heads, kv_heads))
         return self._k.prefill_num_partitions(tiles * kv_heads, max_context, self._sms)

@@ -8,10 +8,11 @@ uploads only what changed since the last one:
     tables  [R, max_blocks] int32   block tables (row-major, padded with 0)
 
 `tokens` is rewritten each step (4 × B ints: one pinned host → device copy). Block tables
-are updated by diffs: a row that held the same sequence (`seq_id`) under the same block
-table epoch last step gets only the block ids past the ones it has (usually none, one
-every block_size steps); any other row is rewritten. The diffs of all rows go up as one
-[3, K] tensor (row, column, id) and land with one scatter.
+are updated by diffs (`TableRows`): a row that held the same sequence (`seq_id`) under the
+same block table epoch last step gets only the block ids past the ones it has (usually
+none, one every block_size steps); any other row is rewritten. The diffs of all rows go up
+as one [3, K] tensor (row, column, id) and land with one scatter. `MixedBatch`
+(mixed_batch.py) keeps the same for steps of decodes plus one prompt chunk.
 
 Rows [B, bucket) of a CUDA-graph bucket are padding: token 0 at position 0, writing its
 K/V to the layout's scratch slot, context length 0 (attention writes zeros).
@@ -48,6 +49,57 @@ class DecodeRow:
     table_epoch: int = 0
 
 
+class TableRows:
+    """Block tables kept on the device, [R, max_blocks], updated by diffs.
+
+    A row that held the same sequence (`seq_id`) under the same table epoch last time gets
+    only the block ids past the ones it has; any other row is rewritten. `stage` collects a
+    step's diffs, `upload` sends them as one [3, K] tensor (row, column, id) and one scatter.
+    """
+
+    def __init__(
+        self, rows: int, max_blocks: int, device: torch.device, index_dtype: torch.dtype
+    ) -> None:
+        self.max_blocks = max_blocks
+        self.device = device
+        self.tables = torch.zeros((rows, max_blocks), dtype=index_dtype, device=device)
+        self._rows: list[_Row | None] = [None] * rows
+        self._diff: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self.uploaded_block_ids = 0  # counts diffs sent (tests and benchmarks read it)
+
+    def stage(self, i: int, table: Sequence[int], seq_id: int | None, epoch: int) -> None:
+        have = self._rows[i]
+        start = 0
+        if (
+            have is not None
+            and seq_id is not None
+            and have.seq_id == seq_id
+            and have.epoch == epoch
+            and have.num_blocks <= len(table)
+        ):
+            start = have.num_blocks
+        new = table[start:]
+        if new:
+            rows, cols, vals = self._diff
+            rows.extend([i] * len(new))
+            cols.extend(range(start, len(table)))
+            vals.extend(new)
+        self._rows[i] = None if seq_id is None else _Row(seq_id, epoch, len(table))
+
+    def forget(self, i: int) -> None:
+        """Row i holds no tracked sequence (padding: its table is never read)."""
+        self._rows[i] = None
+
+    def upload(self) -> None:
+        rows, cols, vals = self._diff
+        if vals:
+            diff = torch.tensor([rows, cols, vals], dtype=torch.int64)
+            diff = diff.to(self.device, non_blocking=True)
+            self.tables[diff[0], diff[1]] = diff[2].to(self.tables.dtype)
+            self.uploaded_block_ids += len(vals)
+        self._diff = ([], [], [])
+
+
 class InputBatch:
     def __init__(
         self,
@@ -66,11 +118,17 @@ class InputBatch:
         pin = device.type == "cuda"
         self.tokens = torch.zeros((4, max_rows), dtype=torch.int64, device=device)
         self._staging = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin)
-        self.tables = torch.zeros((max_rows, max_blocks_per_seq), dtype=index_dtype, device=device)
+        self.table_rows = TableRows(max_rows, max_blocks_per_seq, device, index_dtype)
         self.context_lens = torch.zeros(max_rows, dtype=index_dtype, device=device)
         self.arange = torch.arange(max_rows, dtype=torch.int64, device=device)
-        self._rows: list[_Row | None] = [None] * max_rows
-        self.uploaded_block_ids = 0  # counts diffs sent (tests and benchmarks read it)
+
+    @property
+    def tables(self) -> torch.Tensor:  # [R, max_blocks]
+        return self.table_rows.tables
+
+    @property
+    def uploaded_block_ids(self) -> int:
+        return self.table_rows.uploaded_block_ids
 
     def load(self, rows: Sequence[DecodeRow], bucket: int) -> int:
         """Put `rows` in rows [0, len(rows)), pad to `bucket`; returns the largest context."""
@@ -79,31 +137,13 @@ class InputBatch:
         bs = self.layout.block_size
         host = self._staging
         ids, pos, slots, ctx = [], [], [], []
-        d_rows: list[int] = []
-        d_cols: list[int] = []
-        d_vals: list[int] = []
         for i, r in enumerate(rows):
             table = r.block_table[: self.max_blocks]  # blocks past the model's context: unused
             ids.append(r.token_id)
             pos.append(r.position)
             slots.append(table[r.position // bs] * bs + r.position % bs)
             ctx.append(r.position + 1)
-            have = self._rows[i]
-            start = 0
-            if (
-                have is not None
-                and r.seq_id is not None
-                and have.seq_id == r.seq_id
-                and have.epoch == r.table_epoch
-                and have.num_blocks <= len(table)
-            ):
-                start = have.num_blocks
-            new = table[start:]
-            if new:
-                d_rows.extend([i] * len(new))
-                d_cols.extend(range(start, len(table)))
-                d_vals.extend(new)
-            self._rows[i] = None if r.seq_id is None else _Row(r.seq_id, r.table_epoch, len(table))
+            self.table_rows.stage(i, table, r.seq_id, r.table_epoch)
         pad = bucket - n
         ids += [0] * pad
         pos += [0] * pad
@@ -112,13 +152,9 @@ class InputBatch:
         host[:, :bucket] = torch.tensor([ids, pos, slots, ctx], dtype=torch.int64)
         self.tokens[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
         self.context_lens[:bucket].copy_(self.tokens[CONTEXT, :bucket])
-        if d_vals:
-            diff = torch.tensor([d_rows, d_cols, d_vals], dtype=torch.int64)
-            diff = diff.to(self.device, non_blocking=True)
-            self.tables[diff[0], diff[1]] = diff[2].to(self.tables.dtype)
-            self.uploaded_block_ids += len(d_vals)
+        self.table_rows.upload()
         for i in range(n, bucket):
-            self._rows[i] = None  # padding rows' tables are never read (context 0)
+            self.table_rows.forget(i)  # padding rows' tables are never read (context 0)
         return max(ctx[:n])
 
     def metadata(

@@ -8,8 +8,10 @@ Two paths:
 - decode-only steps (one token per sequence) go through the persistent `InputBatch`,
   which uploads only what changed (block tables by diffs keyed by seq_id and the table's
   epoch); on CUDA with a graph-capable backend they replay a captured CUDA graph;
-- every other step (prompt chunks, mixed) builds its metadata from the lists and runs
-  eagerly.
+- a step of decodes plus one prompt chunk of at most `max_graph_chunk` tokens goes
+  through the persistent `MixedBatch` and, with graphs, replays a mixed-step graph;
+- every other step (several chunks, a long chunk) builds its metadata from the lists and
+  runs eagerly.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import torch
 from ds4pool.errors import ContextLengthError
 from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
-from ds4pool.model.cuda_graphs import DecodeGraphs, default_buckets
+from ds4pool.model.cuda_graphs import StepGraphs, default_buckets
 from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
+from ds4pool.model.mixed_batch import ChunkRow, MixedBatch, MixedShape
 from ds4pool.model.ops import TorchOps, TritonOps
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
@@ -87,6 +90,7 @@ class ModelRunner:
         backend: str = "auto",
         cuda_graphs: bool = True,
         max_decode_batch: int = 64,
+        max_graph_chunk: int = 512,
     ) -> None:
         cfg = loaded.config
         self.loaded = loaded
@@ -113,19 +117,38 @@ class ModelRunner:
             self.backend.index_dtype,
             cfg.sliding_window,
         )
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
+        self.mixed: MixedBatch | None = None
         # A model may opt out (the scripted test model reads its cache on the host).
         graphable = self.backend.supports_cuda_graphs and getattr(
             self.model, "supports_cuda_graphs", True
         )
         if cuda_graphs and self.device.type == "cuda" and graphable:
-            self.graphs = DecodeGraphs(
+            partitions = None
+            graph_parts = getattr(self.backend, "graph_prefill_partitions", None)
+            if graph_parts is not None and max_graph_chunk > 0:
+                self.mixed = MixedBatch(
+                    self.layout,
+                    max_decode_batch,
+                    max(32, max_graph_chunk),
+                    self.max_blocks_per_seq,
+                    self.device,
+                    self.backend.index_dtype,
+                    cfg.sliding_window,
+                )
+
+                def partitions(chunk: int, width_tokens: int) -> int:
+                    return graph_parts(chunk, cfg.num_heads, cfg.num_kv_heads, width_tokens)
+
+            self.graphs = StepGraphs(
                 self.model,
                 self.kv_caches,
                 self.batch,
                 default_buckets(max_decode_batch),
                 cfg.vocab_size,
                 loaded.dtype,
+                self.mixed,
+                partitions,
             )
 
     @staticmethod
@@ -166,6 +189,8 @@ class ModelRunner:
             if len(rows) != len(seqs):
                 index = torch.tensor(rows, dtype=torch.int64).to(self.device)
                 logits = logits.index_select(0, index)
+        elif (shape := self._mixed_shape(seqs)) is not None:
+            logits = self._mixed_logits(seqs, rows, shape)
         else:
             logits = self._eager_logits(seqs, rows)
         if not rows:
@@ -202,6 +227,35 @@ class ModelRunner:
         meta = self.batch.metadata(n, max_ctx)
         hidden = self.model(self.batch.input_ids[:n], self.kv_caches, meta)  # [B, E]
         return self.model.compute_logits(hidden)
+
+    def _mixed_shape(self, seqs: Sequence[SeqInput]) -> MixedShape | None:
+        """The graph shape of a step of decodes plus exactly one prompt chunk, if it has one."""
+        if self.graphs is None:
+            return None
+        chunks = [len(s.token_ids) for s in seqs if len(s.token_ids) > 1]
+        if len(chunks) != 1:
+            return None
+        return self.graphs.mixed_shape(len(seqs) - 1, chunks[0])
+
+    def _mixed_logits(
+        self, seqs: Sequence[SeqInput], rows: list[int], shape: MixedShape
+    ) -> torch.Tensor:
+        assert self.graphs is not None and self.mixed is not None
+        decodes: list[DecodeRow] = []
+        index: list[int] = []  # seq i → its logits row in the mixed batch
+        chunk: ChunkRow | None = None
+        for s in seqs:
+            table, sid, epoch = s.block_table, s.seq_id, s.table_epoch
+            if len(s.token_ids) == 1:
+                index.append(len(decodes))
+                decodes.append(DecodeRow(s.token_ids[0], s.num_computed, table, sid, epoch))
+            else:
+                index.append(-1)
+                chunk = ChunkRow(s.token_ids, s.num_computed, table, sid, epoch)
+        assert chunk is not None
+        sampled = [index[i] if index[i] >= 0 else len(decodes) for i in rows]
+        max_ctx = self.mixed.load(decodes, chunk, sampled, shape)
+        return self.graphs.replay_mixed(shape, max_ctx)[: len(rows)]  # [R, V], rows' order
 
     def _eager_logits(self, seqs: Sequence[SeqInput], rows: list[int]) -> torch.Tensor:
         meta = build_metadata(

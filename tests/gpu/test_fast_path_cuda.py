@@ -130,8 +130,10 @@ def test_graph_replay_equals_eager_triton_and_batched_equals_solo(loaded: Loaded
     graphed = runner(loaded, "triton", graphs=True)
     g_tokens, g_logits = decode_trace(graphed, prompts, e_tokens, 12)
     assert graphed.graphs is not None and graphed.graphs.captures >= 1
+    # the prompts (<= 512 tokens) prefill through mixed-step graphs padded to their chunk
+    # bucket, the eager runner's unpadded: other GEMM tilings, so bf16 KV differs by rounding
     for a, b in zip(e_logits, g_logits):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * float(a.abs().max()))
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * float(a.abs().max()))
     solo = [decode_trace(graphed, [p], [t], 12)[1] for p, t in zip(prompts, e_tokens)]
     for i, per_seq in enumerate(solo):
         for k, row in enumerate(per_seq):
@@ -165,3 +167,51 @@ def test_a_graphed_decode_step_syncs_only_at_the_readback(loaded: LoadedModel) -
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(ids.tolist()) == 3
+
+
+def mixed_trace(r: ModelRunner, vocab: int) -> list[torch.Tensor]:
+    """Steps of 3 decoders next to one prompt's chunks (9, 40, 130 and 200 tokens, the last
+    one sampled), then 2 decoders + a 1-token-past-a-bucket chunk; logits of every step."""
+    gen = torch.Generator().manual_seed(5)
+    pool = BlockPool(r.num_blocks)
+    dec_lens = [30, 700, 5]
+    dec = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in dec_lens]
+    tables = [BlockTable(r.block_size) for _ in dec]
+    pos = list(dec_lens)
+    for p, t in zip(dec, tables):
+        t.ensure(pool, len(p) + 64)
+        r.step([SeqInput(p, 0, t.blocks)])
+    long = torch.randint(0, vocab, (9 + 40 + 130 + 200 + 65,), generator=gen).tolist()
+    lt = BlockTable(r.block_size)
+    lt.ensure(pool, len(long))
+    out, done, k = [], 0, 0
+    for c in (9, 40, 130, 200, 65):
+        n_dec = 3 if c != 65 else 2
+        seqs = [
+            SeqInput([7 + k], pos[i], tables[i].blocks, seq_id=i + 1, table_epoch=tables[i].epoch)
+            for i in range(n_dec)
+        ]
+        last = done + c == len(long)
+        chunk = SeqInput(long[done : done + c], done, lt.blocks, sample=last, seq_id=99)
+        seqs.insert(1, chunk)  # the chunk between decode rows: the logits keep seqs' order
+        res = r.step(seqs, return_logits=True)
+        assert res.logits is not None and res.logits.shape[0] == n_dec + int(last)
+        out.append(res.logits.clone())
+        pos = [p + 1 for p in pos]
+        done, k = done + c, k + 1
+    return out
+
+
+def test_mixed_step_graphs_equal_eager(loaded: LoadedModel) -> None:
+    """Decodes + one chunk replay a mixed-step graph (padded to its buckets, split-K fixed by
+    the shape) and agree with the same steps run eagerly."""
+    vocab = loaded.config.vocab_size
+    eager = mixed_trace(runner(loaded, "triton", graphs=False), vocab)
+    graphed_runner = runner(loaded, "triton", graphs=True)
+    assert graphed_runner.mixed is not None
+    graphed = mixed_trace(graphed_runner, vocab)
+    assert graphed_runner.graphs is not None
+    mixed_keys = [key for key in graphed_runner.graphs._graphs if len(key) == 3]
+    assert len(mixed_keys) >= 4, mixed_keys  # chunk buckets 32, 64, 256 (x2: 130 and 200)
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * float(a.abs().max()))

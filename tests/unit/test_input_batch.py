@@ -104,3 +104,45 @@ def test_padding_rows_write_the_scratch_slot_with_no_context() -> None:
     assert batch.tokens[2, 1:4].tolist() == [batch.layout.scratch_slot] * 3
     assert batch.context_lens[1:4].tolist() == [0, 0, 0]
     assert batch.layout.scratch_slot == 64 * BS  # past every pool block
+
+
+def test_mixed_batch_lays_out_decodes_chunk_and_padding() -> None:
+    """The mixed-graph layout: decode rows, padded rows (context 0, scratch slot), the chunk
+    as sequence `bucket`, a padding sequence of context 0; logit rows in the sampled order;
+    the real tokens' positions and slots are what build_metadata computes."""
+    from ds4pool.model.attention import build_metadata
+    from ds4pool.model.mixed_batch import ChunkRow, MixedBatch, MixedShape, chunk_buckets
+
+    layout = KVLayout(2, 64, BS, 2, 8, torch.float32)
+    mixed = MixedBatch(layout, 8, 64, 32, torch.device("cpu"), torch.int32, None)
+    pool = BlockPool(64)
+    tables = [BlockTable(BS) for _ in range(3)]
+    for t, n in zip(tables, [6, 10, 21]):
+        t.ensure(pool, n)
+    decodes = rows_of(tables[:2], [5, 9], [1, 2])
+    chunk = ChunkRow(list(range(11, 18)), 14, list(tables[2].blocks), seq_id=3)
+    shape = MixedShape(bucket=4, chunk_bucket=32)
+    # sampled: the chunk's last token, then decode row 1 (decode row 0 is not sampled)
+    assert mixed.load(decodes, chunk, [2, 1], shape) == 21
+    ref = build_metadata(
+        [1, 1, 7], [6, 10, 21], [t.blocks for t in tables], BS, torch.device("cpu")
+    )
+    meta = mixed.metadata(shape, width=8, partitions=2)
+    real = [0, 1] + list(range(4, 11))  # token indices of the real tokens
+    assert meta.positions[real].tolist() == ref.positions.tolist()
+    assert meta.slot_mapping[real].tolist() == ref.slot_mapping.tolist()
+    pads = [2, 3] + list(range(11, 36))
+    assert set(meta.slot_mapping[pads].tolist()) == {layout.scratch_slot}
+    assert meta.positions[pads].tolist() == [0] * len(pads)
+    assert mixed.input_ids[4:11].tolist() == list(range(11, 18))
+    assert meta.context_lens.tolist() == [6, 10, 0, 0, 21, 0]
+    assert meta.query_start.tolist() == [0, 1, 2, 3, 4, 11, 36]
+    assert meta.max_query_len == 32 and meta.prefill_partitions == 2 and not meta.decode_only
+    assert meta.block_tables.shape == (6, 8)
+    assert meta.block_tables[4, :6].tolist() == tables[2].blocks
+    assert mixed.logit_rows(shape).tolist() == [10, 1, 0, 0, 0]
+    sent = mixed.table_rows.uploaded_block_ids
+    mixed.load(rows_of(tables[:2], [5, 9], [1, 2]), chunk, [], shape)  # same tables again
+    assert mixed.table_rows.uploaded_block_ids == sent  # nothing re-sent
+    assert chunk_buckets(512) == [32, 64, 128, 256, 512]
+    assert chunk_buckets(300) == [32, 64, 128, 256, 300]

@@ -40,6 +40,11 @@ class Case:
     dtype: str = "float32"  # float16 too; the interpreter's bf16 tl.dot is broken (triton 3.9)
     index64: bool = False  # int64 tables and lengths, as AttentionMetadata holds them
     workspace: bool = False  # decode: a preallocated scratch for a larger batch
+    # prefill: the padding of a captured mixed step (mixed_batch.py): `pad_rows` decode rows
+    # of context 0 before the last sequence (the chunk), and a sequence of `pad_tokens`
+    # tokens with context 0 after it; real rows must not change, padding rows come out 0
+    pad_rows: int = 0
+    pad_tokens: int = 0
 
     @property
     def tolerance(self) -> float:
@@ -102,6 +107,12 @@ CASES: dict[str, Case] = {
     "prefill_split_fp16": Case(
         "prefill", [120, 9], [10, 1], dtype="float16", num_partitions=2, strided_q=True
     ),
+    "prefill_mixed_graph_padding": Case(
+        "prefill", [40, 90, 150], [1, 1, 24], pad_rows=3, pad_tokens=8, num_partitions=3
+    ),
+    "prefill_mixed_graph_padding_unsplit": Case(
+        "prefill", [33, 70], [1, 17], kv_heads=1, pad_rows=1, pad_tokens=15
+    ),
     "decode_fp16_int64": Case(
         "decode", [5, 70, 0, 33], partition_size=32, dtype="float16", index64=True
     ),
@@ -157,6 +168,8 @@ def _run_case(name: str) -> dict:
             num_partitions=c.num_partitions,
             launch=ta.DecodeLaunch(block_n=c.block_n), workspace=workspace if c.workspace else None,
         )  # fmt: skip
+    elif c.pad_rows or c.pad_tokens:
+        return _run_padded(name, c, case, q_lens)
     else:
         ta.paged_prefill(
             q, k_cache, v_cache, case.block_tables, case.query_start, case.context_lens,
@@ -172,6 +185,47 @@ def _run_case(name: str) -> dict:
         "tolerance": c.tolerance,
         "finite": bool(torch.isfinite(out).all()),
         "empty_zero": bool((out[empty_rows] == 0).all()) if empty_rows else True,
+    }
+
+
+def _run_padded(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
+    """The mixed-graph layout: [seqs but the last][pad_rows x (q 1, ctx 0)][last][pad seq]."""
+    import torch
+
+    from ds4pool.model.kernels import triton_attention as ta
+    from tests.paged_cases import reference, rel_err
+
+    n_real = sum(q_lens)
+    head_tokens = n_real - q_lens[-1]
+    pad_q = torch.randn(c.pad_rows + c.pad_tokens, c.heads, c.head_dim).to(case.q.dtype)
+    q = torch.cat([case.q[:head_tokens], pad_q[: c.pad_rows], case.q[head_tokens:],
+                   pad_q[c.pad_rows:]])  # fmt: skip
+    lens = q_lens[:-1] + [1] * c.pad_rows + q_lens[-1:] + ([c.pad_tokens] if c.pad_tokens else [])
+    ctx = case.context_lens.tolist()
+    ctx = ctx[:-1] + [0] * c.pad_rows + ctx[-1:] + ([0] if c.pad_tokens else [])
+    tables = case.block_tables.tolist()
+    zero = [0] * len(tables[0])
+    tables = tables[:-1] + [zero] * c.pad_rows + tables[-1:] + ([zero] if c.pad_tokens else [])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    out = torch.full_like(q, float("nan"))
+    ta.paged_prefill(
+        q, case.cache[0], case.cache[1], torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+        max(lens), case.scale, out, sliding_window=c.window,
+        launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
+        num_partitions=c.num_partitions or 1,
+    )  # fmt: skip
+    pad = torch.zeros(out.shape[0], dtype=torch.bool)
+    pad[head_tokens : head_tokens + c.pad_rows] = True
+    pad[head_tokens + c.pad_rows + q_lens[-1] :] = True
+    return {
+        "name": name,
+        "rel": rel_err(out[~pad], reference(case, c.window)),
+        "tolerance": c.tolerance,
+        "finite": bool(torch.isfinite(out).all()),
+        "empty_zero": bool((out[pad] == 0).all()),
     }
 
 

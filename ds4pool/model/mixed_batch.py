@@ -1,0 +1,183 @@
+"""The persistent input batch of mixed steps: decode rows plus one prompt chunk, padded to a
+(decode bucket, chunk bucket) shape that a CUDA graph can be captured for.
+
+A mixed step of B decoding sequences and one chunk of C prompt tokens is laid out on a flat
+token axis of Bb + Cb tokens (Bb, Cb: the buckets >= B, C) and Bb + 2 sequences:
+
+    tokens [0, Bb)            decode rows: row j is the j-th decoding sequence (one token);
+                              rows [B, Bb) are padding (context 0, nothing attended)
+    tokens [Bb, Bb + C)       the chunk: sequence Bb, positions [n, n + C) after n cached
+    tokens [Bb + C, Bb + Cb)  padding: sequence Bb + 1 with context 0
+
+Padding tokens are id 0 at position 0 and write their K/V to the layout's scratch slot;
+sequences with context 0 see no key, so attention writes zeros for them and nothing real
+reads their rows. `logit_rows` [Bb + 1] lists the token indices whose logits the step needs,
+in the order of the step's sampled sequences (the rest point at token 0), so the LM head
+runs on a fixed number of rows and logits[:R] are the R sampled rows in order.
+
+Buffers (all device, written from one pinned staging copy per step, plus block-table diffs):
+
+    tok  [4, T]  int64: ids, positions, slots, logit_rows (first Bb + 1 entries)
+    seqs [2, S + 1] index dtype: context lengths (first Bb + 2), query starts (Bb + 3)
+    tables [S, max_blocks]: `TableRows` (diff upload keyed by seq_id and table epoch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ds4pool.model.attention import AttentionMetadata
+from ds4pool.model.input_batch import DecodeRow, TableRows
+from ds4pool.model.kv_layout import KVLayout
+
+IDS, POSITIONS, SLOTS, LOGIT_ROWS = range(4)
+CONTEXT, QUERY_START = range(2)
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """The step's prompt chunk: token ids after `num_computed` cached tokens."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+    seq_id: int | None = None
+    table_epoch: int = 0
+
+
+@dataclass(frozen=True)
+class MixedShape:
+    bucket: int  # decode rows, padded
+    chunk_bucket: int  # chunk tokens, padded
+
+    @property
+    def num_tokens(self) -> int:
+        return self.bucket + self.chunk_bucket
+
+    @property
+    def num_seqs(self) -> int:
+        return self.bucket + 2
+
+
+class MixedBatch:
+    def __init__(
+        self,
+        layout: KVLayout,
+        max_rows: int,
+        max_chunk: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        index_dtype: torch.dtype,
+        sliding_window: int | None,
+    ) -> None:
+        self.layout = layout
+        self.max_rows = max_rows
+        self.max_chunk = max_chunk
+        self.max_blocks = max_blocks_per_seq
+        self.device = device
+        self.sliding_window = sliding_window
+        tokens, seqs = max_rows + max_chunk, max_rows + 2
+        pin = device.type == "cuda"
+        self.tok = torch.zeros((4, tokens), dtype=torch.int64, device=device)
+        self._tok_host = torch.zeros((4, tokens), dtype=torch.int64, pin_memory=pin)
+        self.seqs = torch.zeros((2, seqs + 1), dtype=index_dtype, device=device)
+        self._seqs_host = torch.zeros((2, seqs + 1), dtype=index_dtype, pin_memory=pin)
+        self.table_rows = TableRows(seqs, max_blocks_per_seq, device, index_dtype)
+
+    def load(
+        self,
+        decodes: Sequence[DecodeRow],
+        chunk: ChunkRow,
+        sampled: Sequence[int],
+        shape: MixedShape,
+    ) -> int:
+        """Fill the buffers for `shape`; returns the step's largest context.
+
+        `sampled` lists, in order, which rows need logits: j < len(decodes) is decode row j,
+        j == len(decodes) is the chunk's last token."""
+        b, c = len(decodes), len(chunk.token_ids)
+        bb, cb = shape.bucket, shape.chunk_bucket
+        assert 0 <= b <= bb <= self.max_rows and 0 < c <= cb <= self.max_chunk, (b, bb, c, cb)
+        assert len(sampled) <= bb + 1
+        bs, scratch = self.layout.block_size, self.layout.scratch_slot
+        ids, pos, slots, ctx = [], [], [], []
+        for j, r in enumerate(decodes):
+            table = r.block_table[: self.max_blocks]
+            ids.append(r.token_id)
+            pos.append(r.position)
+            slots.append(table[r.position // bs] * bs + r.position % bs)
+            ctx.append(r.position + 1)
+            self.table_rows.stage(j, table, r.seq_id, r.table_epoch)
+        for j in range(b, bb):
+            self.table_rows.forget(j)
+        ids += [0] * (bb - b)
+        pos += [0] * (bb - b)
+        slots += [scratch] * (bb - b)
+        ctx += [0] * (bb - b)
+        table = chunk.block_table[: self.max_blocks]
+        start = chunk.num_computed
+        ids += list(chunk.token_ids)
+        pos += list(range(start, start + c))
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + c)]
+        ctx.append(start + c)
+        self.table_rows.stage(bb, table, chunk.seq_id, chunk.table_epoch)
+        self.table_rows.forget(bb + 1)
+        pad = cb - c
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [scratch] * pad
+        ctx.append(0)
+        rows = [j if j < b else bb + c - 1 for j in sampled]
+        rows += [0] * (bb + 1 - len(rows))
+        rows += [0] * (bb + cb - len(rows))
+        t = bb + cb
+        self._tok_host[:, :t] = torch.tensor([ids, pos, slots, rows], dtype=torch.int64)
+        self.tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
+        starts = list(range(bb + 1)) + [bb + c, t]
+        n_seqs = bb + 2
+        self._seqs_host[CONTEXT, :n_seqs] = torch.tensor(ctx, dtype=self.seqs.dtype)
+        self._seqs_host[QUERY_START, : n_seqs + 1] = torch.tensor(starts, dtype=self.seqs.dtype)
+        self.seqs[:, : n_seqs + 1].copy_(self._seqs_host[:, : n_seqs + 1], non_blocking=True)
+        self.table_rows.upload()
+        return max(ctx)
+
+    def metadata(self, shape: MixedShape, width: int, partitions: int) -> AttentionMetadata:
+        """Metadata over the buffers for `shape` and the first `width` block columns; the
+        prefill kernel's split-K factor is fixed (`partitions`), as a captured graph needs."""
+        t, s = shape.num_tokens, shape.num_seqs
+        empty = self.tok[IDS, :0]
+        return AttentionMetadata(
+            positions=self.tok[POSITIONS, :t],
+            slot_mapping=self.tok[SLOTS, :t],
+            block_tables=self.table_rows.tables[:s, :width],
+            context_lens=self.seqs[CONTEXT, :s],
+            decode_rows=empty,
+            decode_tokens=empty,
+            max_decode_blocks=max(1, width),
+            prefills=(),
+            block_size=self.layout.block_size,
+            sliding_window=self.sliding_window,
+            query_start=self.seqs[QUERY_START, : s + 1],
+            max_query_len=shape.chunk_bucket,
+            decode_only=False,
+            prefill_partitions=partitions,
+        )
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tok[IDS]
+
+    def logit_rows(self, shape: MixedShape) -> torch.Tensor:  # [Bb + 1] int64
+        return self.tok[LOGIT_ROWS, : shape.bucket + 1]
+
+
+def chunk_buckets(max_chunk: int) -> list[int]:
+    """Chunk sizes 32, 64, 128, ... (×2) up to max_chunk (padding costs < 2× the chunk)."""
+    sizes, c = [], 32
+    while c < max_chunk:
+        sizes.append(c)
+        c *= 2
+    return [*sizes, max_chunk]
