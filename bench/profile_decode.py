@@ -6,9 +6,10 @@ kernels inside (torch.profiler sees the kernels of graph replays through CUPTI).
 
 Prints per batch size: step ms (runner.step, incl. input upload, sampling and the one
 readback), replay ms (the graph alone, CUDA events), kernels per step and the top kernels
-by device time. With --mixed, also mixed steps (eager): the batch's decoders next to one
-prompt chunk of each size whose cached context ends at each --mixed-ctx; host-bound when
-the step takes longer than its kernels.
+by device time. With --mixed, also mixed steps: the batch's decoders next to one prompt
+chunk of each size whose cached context ends at each --mixed-ctx (a mixed-step CUDA graph
+where the chunk fits the graphs' buckets, else eager; --no-cuda-graphs for eager);
+host-bound when the step takes longer than its kernels.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--mixed", type=int, nargs="*", default=[], help="prompt chunk sizes")
     ap.add_argument("--mixed-ctx", type=int, nargs="+", default=[8192])
+    ap.add_argument("--no-cuda-graphs", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda")
     loaded = load_model(args.model, device, torch.bfloat16)
     per_seq = -(-(args.prompt_len + 64) // 16)
     long_blocks = -(-(max(args.mixed_ctx) + max(args.mixed, default=0)) // 16) if args.mixed else 0
-    runner = ModelRunner(loaded, num_blocks=per_seq * max(args.batch) + long_blocks + 1)
+    blocks = per_seq * max(args.batch) + long_blocks + 1
+    runner = ModelRunner(loaded, num_blocks=blocks, cuda_graphs=not args.no_cuda_graphs)
     for b in args.batch:
         pool = BlockPool(runner.num_blocks)
         tables = [BlockTable(16) for _ in range(b)]
