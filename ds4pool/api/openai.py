@@ -32,7 +32,7 @@ from ds4pool.api.config import TenantConfig
 from ds4pool.api.constraints import chat_constraint, completion_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.openai_output import chat_message, chunk_deltas, finish_reason
-from ds4pool.api.prompt import render_prompt
+from ds4pool.api.prompt import render_prompt, template_kwargs
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ds4pool.output.message import assemble
 from ds4pool.output.processor import OutputProcessor, build_processor
@@ -186,12 +186,7 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
         raise ApiError(400, "messages must not be empty", param="messages")
     messages = [_message(m, i) for i, m in enumerate(data.messages)]
     engine = state.ready_engine()
-    extra = dict(data.chat_template_kwargs or {})
-    clash = sorted(extra.keys() & {"messages", "tools", "add_generation_prompt"})
-    if clash:  # passed as keywords too: a clash would be a TypeError (a 500)
-        raise ApiError(
-            400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs"
-        )
+    extra = template_kwargs(data.chat_template_kwargs)
     prompt_text = await render_prompt(engine.tokenizer, messages, data.tools, extra)
     proc = build_processor(
         state.cfg.output,
