@@ -73,13 +73,17 @@ def session_id_of(request: HttpRequest) -> str | None:
 
 
 def priority_of(request: HttpRequest, body: int | None, tenant: TenantConfig) -> int:
+    """The request's priority: X-Priority, else the body's `priority`, else the tenant's.
+    Lower runs first, and the tenant's configured priority is the best it may ask for: a
+    request can lower its own priority, never raise it above its tenant's."""
+    asked = body
     raw = request.headers.get(PRIORITY_HEADER)
     if raw is not None:
         try:
-            return int(raw)
+            asked = int(raw)
         except ValueError:
             raise ApiError(400, "X-Priority must be an integer", param="X-Priority") from None
-    return tenant.default_priority if body is None else body
+    return tenant.default_priority if asked is None else max(asked, tenant.default_priority)
 
 
 def sampling_from(
