@@ -16,6 +16,7 @@ from litestar import Request as HttpRequest
 
 from ds4pool.api.config import DEFAULT_TENANT, ServerConfig, TenantConfig
 from ds4pool.api.errors import ApiError
+from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.engine import Engine
 from ds4pool.kv.session import validate_session_id
 from ds4pool.model.sampler import SamplingParams
@@ -34,6 +35,7 @@ class ApiState:
     cfg: ServerConfig
     model_name: str
     engine: Engine | None = None  # None until the model is loaded
+    prompt_limit: PromptLimit | None = None  # set with the engine
     metrics: Any = None  # ds4pool.metrics.Metrics when enabled
     draining: bool = False
     inflight: Counter[str] = field(default_factory=Counter)
@@ -44,6 +46,11 @@ class ApiState:
         if self.draining:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         return self.engine
+
+    def limit(self) -> PromptLimit:
+        """The bound on prompts (set before the engine, so there is one once it is ready)."""
+        assert self.prompt_limit is not None
+        return self.prompt_limit
 
 
 def api_state(request: HttpRequest) -> ApiState:

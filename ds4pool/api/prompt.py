@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import keyword
 from collections.abc import Callable
-from functools import partial
 from typing import Any, TypeVar
 
 import anyio
 import jinja2.defaults
 
 from ds4pool.api.errors import ApiError
+from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.errors import ChatTemplateError
 from ds4pool.model.tokenizer import Tokenizer
 
@@ -111,14 +111,31 @@ async def off_loop(fn: Callable[[], T]) -> T:
 
 async def render_prompt(
     tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
+    limit: PromptLimit,
+    messages: Callable[[], list[dict[str, Any]]],
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """render_chat in a worker thread."""
-    return await off_loop(partial(render_chat, tokenizer, messages, tools, extra))
+    """render_chat of `messages()` (the request's conversion, which grows with it too) in a
+    worker thread; ContextLengthError when the text cannot fit the context."""
+
+    def render() -> str:
+        return checked(limit, tokenizer, render_chat(tokenizer, messages(), tools, extra))
+
+    return await off_loop(render)
 
 
-async def count_prompt_tokens(tokenizer: Tokenizer, text: str) -> int:
-    """The number of tokens of rendered prompt text, counted in a worker thread."""
-    return len(await off_loop(partial(tokenizer.encode, text, add_special_tokens=False)))
+def checked(limit: PromptLimit, tokenizer: Tokenizer, text: str) -> str:
+    """`text`, after limit.check (blocking: in a worker thread)."""
+    limit.check(tokenizer, text)
+    return text
+
+
+async def count_prompt_tokens(tokenizer: Tokenizer, limit: PromptLimit, text: str) -> int:
+    """The number of tokens of rendered prompt text, counted in a worker thread once the
+    text is known to fit the context (a longer one is a ContextLengthError)."""
+
+    def count() -> int:
+        return len(tokenizer.encode(checked(limit, tokenizer, text), add_special_tokens=False))
+
+    return await off_loop(count)
