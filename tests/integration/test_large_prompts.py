@@ -94,3 +94,35 @@ def test_token_id_prompts_longer_than_the_context_are_refused(server: Server) ->
     ids = [1] * 2_000_000
     r = post(server, "/v1/completions", json.dumps({"prompt": ids, "max_tokens": 1}).encode())
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+PAD = "p" * 70_000  # past api/body.py's OFF_LOOP_BYTES: decoded in a worker thread
+BAD = [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": 5}]}, "messages[0].role"),
+    ({"max_tokens": 1}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": "high"}, "top_p"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_large_bad_bodies_get_the_same_400_as_small_ones(
+    server: Server, body: dict, param: str
+) -> None:
+    small = post(server, "/v1/chat/completions", json.dumps(body).encode())
+    large = post(server, "/v1/chat/completions", json.dumps({**body, "pad": PAD}).encode())
+    assert small.status_code == large.status_code == 400, (small.text, large.text)
+    assert small.json()["error"]["param"] == large.json()["error"]["param"] == param
+    assert small.json()["error"]["message"] == large.json()["error"]["message"]
+
+
+def test_large_malformed_and_deep_bodies_are_400(server: Server) -> None:
+    for raw in (
+        b'{"messages": [' + b" " * 70_000,
+        b'{"pad": "' + PAD.encode() + b'", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"messages": [{"role": "user", "content": "\xff\xfe' + PAD.encode() + b'"}]}',
+        b"[" + b"1," * 40_000 + b"1]",
+    ):
+        r = post(server, "/v1/chat/completions", raw)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
