@@ -99,7 +99,11 @@ def create_app(
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         state: ApiState = app.state.api
         state.metrics = metrics
-        ready = engine or await anyio.to_thread.run_sync(build_engine, cfg, metrics)
+        ready = (
+            engine
+            if engine is not None
+            else await anyio.to_thread.run_sync(build_engine, cfg, metrics)
+        )
         state.prompt_limit = await anyio.to_thread.run_sync(
             PromptLimit.of, ready.tokenizer, ready.runner.max_model_len
         )
