@@ -4,9 +4,13 @@ on uvicorn. Flag parsing lives here so `cli.py` stays a thin dispatcher."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,26 +243,74 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ds4pool.api.app import build_engine, create_app
+    from ds4pool.api.app import create_app
 
     cfg = build_config(args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     metrics = _metrics(cfg)
-    # Load the model before binding the port: a bad --model fails with one line, and
-    # the port only answers once the server can serve.
-    engine = build_engine(cfg, metrics)
+    # Bind the port, then load the model, before serving: a taken port, a bad --model or an
+    # unusable --kv-disk-dir fail with one line (the port first: it fails fast). The socket
+    # listens only once uvicorn serves, so clients are refused until the server can serve.
+    sock = _bind(cfg.host, cfg.port)
+    try:
+        engine = _start_engine(cfg, metrics)
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(cfg, engine, metrics=metrics, own_engine=True)
-    uvicorn.run(
-        app,
-        host=cfg.host,
-        port=cfg.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=30,
-        access_log=False,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=30,
+            access_log=False,
+        )
     )
-    return 0
+    with _sigterm_is_a_clean_stop():
+        server.run(sockets=[sock])
+    return 0 if server.started else 1  # uvicorn logged why the lifespan did not start
+
+
+def _start_engine(cfg: Any, metrics: Any) -> Any:
+    """The engine, or one line for what an operator must fix (a read-only or locked
+    --kv-disk-dir, an unwritable cache directory...)."""
+    from ds4pool.api.app import build_engine
+    from ds4pool.kv.disk import DirectoryLockedError
+
+    try:
+        return build_engine(cfg, metrics)
+    except DirectoryLockedError as exc:
+        raise Ds4poolError(f"--kv-disk-dir: {exc} (is another server using it?)") from None
+    except OSError as exc:
+        raise Ds4poolError(f"cannot start: {exc}") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it (asyncio makes it listen when serving
+    starts); a taken port is one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise Ds4poolError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+@contextlib.contextmanager
+def _sigterm_is_a_clean_stop() -> Iterator[None]:
+    """uvicorn drains on SIGTERM, then re-raises the signal to the handler it found, which
+    by default kills the process with -15. A handler that does nothing makes a drained
+    server exit 0 (systemd and Kubernetes read -15 as a failure)."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _metrics(cfg: Any) -> Any:

@@ -31,7 +31,7 @@ from ds4pool.api.common import (
 from ds4pool.api.common import finish as finish_request
 from ds4pool.api.constraints import messages_constraint
 from ds4pool.api.errors import ApiError
-from ds4pool.api.prompt import count_prompt_tokens, off_loop, render_chat
+from ds4pool.api.prompt import checked, count_prompt_tokens, off_loop, render_chat
 from ds4pool.api.schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from ds4pool.output.deltas import Finish
 from ds4pool.output.message import assemble
@@ -157,8 +157,11 @@ async def _render(
         # templates with a thinking switch (Qwen3) read it as enable_thinking
         extra["enable_thinking"] = thinking["type"] == "enabled"
 
+    limit = state.limit()
+
     def render() -> str:
-        return render_chat(tokenizer, to_chat(system, messages), _tools(tools), extra)
+        text = render_chat(tokenizer, to_chat(system, messages), _tools(tools), extra)
+        return checked(limit, tokenizer, text)
 
     return await off_loop(render)
 
@@ -168,7 +171,8 @@ async def count_tokens(request: HttpRequest, data: CountTokensRequest) -> dict[s
     state = api_state(request)
     authenticate(request, state)
     text = await _render(state, data.system, data.messages, data.tools)
-    return {"input_tokens": await count_prompt_tokens(state.ready_engine().tokenizer, text)}
+    tokenizer = state.ready_engine().tokenizer
+    return {"input_tokens": await count_prompt_tokens(tokenizer, state.limit(), text)}
 
 
 def _usage(final: Event) -> dict[str, int]:

@@ -15,9 +15,11 @@ from litestar.openapi import OpenAPIConfig
 
 from ds4pool import __version__
 from ds4pool.api import anthropic, openai, responses
+from ds4pool.api.body import ApiRequest
 from ds4pool.api.common import ApiState, api_state
 from ds4pool.api.config import ServerConfig
 from ds4pool.api.errors import handle_exception
+from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.api.sessions import admin_router, end_own_session, own_sessions, require_admin
 from ds4pool.engine import Engine
 
@@ -97,10 +99,15 @@ def create_app(
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         state: ApiState = app.state.api
         state.metrics = metrics
-        if engine is None:
-            state.engine = await anyio.to_thread.run_sync(build_engine, cfg, metrics)
-        else:
-            state.engine = engine
+        ready = (
+            engine
+            if engine is not None
+            else await anyio.to_thread.run_sync(build_engine, cfg, metrics)
+        )
+        state.prompt_limit = await anyio.to_thread.run_sync(
+            PromptLimit.of, ready.tokenizer, ready.runner.max_model_len
+        )
+        state.engine = ready
         log.info("%s", startup_summary(state, state.engine))
         try:
             yield
@@ -133,6 +140,7 @@ def create_app(
         state=State({"api": state}),
         exception_handlers={Exception: handle_exception},
         request_max_body_size=int(cfg.max_body_mb * (1 << 20)),
+        request_class=ApiRequest,  # large bodies are decoded off the event loop
         openapi_config=OpenAPIConfig(title="ds4pool", version=__version__),
         logging_config=None,  # `ds4pool serve` configures logging (--log-level)
         debug=False,

@@ -16,6 +16,7 @@ from litestar import Request as HttpRequest
 
 from ds4pool.api.config import DEFAULT_TENANT, ServerConfig, TenantConfig
 from ds4pool.api.errors import ApiError
+from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.engine import Engine
 from ds4pool.kv.session import validate_session_id
 from ds4pool.model.sampler import SamplingParams
@@ -34,6 +35,7 @@ class ApiState:
     cfg: ServerConfig
     model_name: str
     engine: Engine | None = None  # None until the model is loaded
+    prompt_limit: PromptLimit | None = None  # set with the engine
     metrics: Any = None  # ds4pool.metrics.Metrics when enabled
     draining: bool = False
     inflight: Counter[str] = field(default_factory=Counter)
@@ -44,6 +46,11 @@ class ApiState:
         if self.draining:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         return self.engine
+
+    def limit(self) -> PromptLimit:
+        """The bound on prompts (set before the engine, so there is one once it is ready)."""
+        assert self.prompt_limit is not None
+        return self.prompt_limit
 
 
 def api_state(request: HttpRequest) -> ApiState:
@@ -73,13 +80,17 @@ def session_id_of(request: HttpRequest) -> str | None:
 
 
 def priority_of(request: HttpRequest, body: int | None, tenant: TenantConfig) -> int:
+    """The request's priority: X-Priority, else the body's `priority`, else the tenant's.
+    Lower runs first, and the tenant's configured priority is the best it may ask for: a
+    request can lower its own priority, never raise it above its tenant's."""
+    asked = body
     raw = request.headers.get(PRIORITY_HEADER)
     if raw is not None:
         try:
-            return int(raw)
+            asked = int(raw)
         except ValueError:
             raise ApiError(400, "X-Priority must be an integer", param="X-Priority") from None
-    return tenant.default_priority if body is None else body
+    return tenant.default_priority if asked is None else max(asked, tenant.default_priority)
 
 
 def sampling_from(

@@ -174,7 +174,7 @@ def messages_spec(tokenizer: Tokenizer, data: MessagesRequest) -> GrammarSpec | 
     assert value is not None
     kind = value.get("type")
     names = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
-    if kind not in names:
+    if not isinstance(kind, str) or kind not in names:  # a dict or list is unhashable
         raise ConstraintError("tool_choice.type must be auto, any, tool or none", "tool_choice")
     name = value.get("name")
     if kind == "tool" and not isinstance(name, str):

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from litestar import Request as HttpRequest
@@ -32,8 +33,9 @@ from ds4pool.api.config import TenantConfig
 from ds4pool.api.constraints import chat_constraint, completion_constraint
 from ds4pool.api.errors import ApiError
 from ds4pool.api.openai_output import chat_message, chunk_deltas, finish_reason
-from ds4pool.api.prompt import render_prompt
+from ds4pool.api.prompt import off_loop, render_prompt, template_kwargs
 from ds4pool.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ds4pool.errors import ContextLengthError
 from ds4pool.output.message import assemble
 from ds4pool.output.processor import OutputProcessor, build_processor
 from ds4pool.sched.request import Event, Request
@@ -184,15 +186,15 @@ async def chat_completions(request: HttpRequest, data: ChatCompletionRequest) ->
     tenant = authenticate(request, state)
     if not data.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    messages = [_message(m, i) for i, m in enumerate(data.messages)]
     engine = state.ready_engine()
-    extra = dict(data.chat_template_kwargs or {})
-    clash = sorted(extra.keys() & {"messages", "tools", "add_generation_prompt"})
-    if clash:  # passed as keywords too: a clash would be a TypeError (a 500)
-        raise ApiError(
-            400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs"
-        )
-    prompt_text = await render_prompt(engine.tokenizer, messages, data.tools, extra)
+    extra = template_kwargs(data.chat_template_kwargs)
+    prompt_text = await render_prompt(
+        engine.tokenizer,
+        state.limit(),
+        lambda: [_message(m, i) for i, m in enumerate(data.messages)],
+        data.tools,
+        extra,
+    )
     proc = build_processor(
         state.cfg.output,
         engine.tokenizer,
@@ -314,10 +316,16 @@ async def completions(request: HttpRequest, data: CompletionRequest) -> Response
         raise ApiError(400, "suffix is not supported", param="suffix")
     if not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
-    if isinstance(prompt, list) and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+    limit = state.limit()
+    if isinstance(prompt, list):
+        if len(prompt) >= limit.limit:  # before looking at each of them
+            raise ContextLengthError(
+                f"prompt has {len(prompt)} tokens; the model's context is {limit.limit}"
+            )
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+    else:
+        await off_loop(partial(limit.check, state.ready_engine().tokenizer, prompt))
     kw = {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": list(prompt)}
     req = _sampling_request(data, request, state, tenant, "completions", data.max_tokens, **kw)
     if req.max_tokens == state.ready_engine().runner.max_model_len and data.max_tokens is None:

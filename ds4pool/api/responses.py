@@ -35,7 +35,8 @@ from ds4pool.api.common import (
 )
 from ds4pool.api.constraints import responses_constraint
 from ds4pool.api.errors import ApiError
-from ds4pool.api.prompt import off_loop, render_chat
+from ds4pool.api.prompt import checked, off_loop, render_chat
+from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.api.responses_input import bad, to_messages, to_tools
 from ds4pool.api.responses_output import Json, ResponseRenderer, new_id
 from ds4pool.api.schemas import ResponsesRequest
@@ -54,7 +55,8 @@ async def create_response(request: HttpRequest, data: ResponsesRequest) -> Respo
     _refuse_unsupported(data)
     engine = state.ready_engine()
     session_id = _session_id(request, data)
-    tools, offered, prompt_text = await off_loop(partial(_prompt, engine.tokenizer, data))
+    prompt = partial(_prompt, engine.tokenizer, state.limit(), data)
+    tools, offered, prompt_text = await off_loop(prompt)
     req = Request(
         tenant=tenant.name,
         session_id=session_id,
@@ -112,14 +114,14 @@ async def stored_response(request: HttpRequest, response_id: str) -> None:
 
 
 def _prompt(
-    tokenizer: Tokenizer, data: ResponsesRequest
+    tokenizer: Tokenizer, limit: PromptLimit, data: ResponsesRequest
 ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None, str]:
     """(the function tools, those offered to the model, the prompt text); in a worker thread.
     tool_choice "none" offers none: the model is not told about tools it may not call."""
     messages = to_messages(data.instructions, data.input)
     tools = to_tools(data.tools)
     offered = None if data.tool_choice == "none" else tools
-    return tools, offered, render_chat(tokenizer, messages, offered)
+    return tools, offered, checked(limit, tokenizer, render_chat(tokenizer, messages, offered))
 
 
 def _refuse_unsupported(data: ResponsesRequest) -> None:

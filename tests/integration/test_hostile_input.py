@@ -171,6 +171,44 @@ def test_bad_priority_header(server: Server) -> None:
     assert r.status_code == 400
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"self": 1},  # issue 14: a TypeError from apply_chat_template, answered 500
+        {"messages": []},
+        {"add_generation_prompt": False},
+        {"documents": [1]},
+        {"raise_exception": None},
+        {"loop": 1},
+        {"range": 1},
+        {"__class__": 1},
+        {"_private": 1},
+        {"a-b": 1},
+        {"": 1},
+        {"class": 1},
+        {"enable_thinking": False, "self": 1},
+    ],
+)
+def test_chat_template_kwargs_that_clash_are_400(server: Server, kwargs: dict) -> None:
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": USER, "max_tokens": 1, "chat_template_kwargs": kwargs},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_chat_template_kwargs_of_the_template_are_accepted(server: Server) -> None:
+    body = {"enable_thinking": False, "reasoning_effort": "low", "x1": {"a": [1]}}
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": USER, "max_tokens": 1, "chat_template_kwargs": body},
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_route_and_method(server: Server) -> None:
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
     assert httpx.get(server.url + "/v1/chat/completions").status_code == 405
