@@ -109,6 +109,7 @@ def llama_server_command(port: int, args: argparse.Namespace) -> list[str]:
         raise RuntimeError(f"llama-server needs --gguf FILE (got {args.gguf})")
     argv = [exe, "-m", str(args.gguf), "-np", str(args.llama_slots), "-t", str(args.threads)]
     argv += ["-c", str(args.llama_slots * args.llama_slot_ctx), "--metrics"]
+    argv += shlex.split(args.llama_args)
     return argv + ["--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -410,6 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", type=Path, default=Path("llama-server"))
     p.add_argument("--llama-slots", type=int, default=4, help="llama-server -np")
     p.add_argument("--llama-slot-ctx", type=int, default=8192, help="context per slot")
+    p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=Path("out/agents_compare"))
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
