@@ -1,18 +1,28 @@
-"""The multi-agent workload on three servers, one after another, on one model directory.
+"""The multi-agent workload on several servers, one after another, on one model directory.
 
     python bench/agents_compare.py                              # demo model, N = 1 4 8 16
     python bench/agents_compare.py --agents 1 2 --turns 2       # a quick smoke run
     python bench/agents_compare.py --servers ds4pool no-batching
+    python bench/agents_compare.py --servers ds4pool llama-server --gguf m.gguf \
+        --model-dir DIR --agents 16 --repeat 3                  # alternating, 3 rounds
 
 Servers (each started as its own process on a free loopback port, CPU, float32):
   - ds4pool:      `ds4pool serve` (continuous batching, sessions kept warm);
   - no-batching:  `ds4pool serve --no-batching` (one request at a time, one live session:
                   the ds4-server behaviour);
   - transformers: `transformers serve --continuous-batching` with HF_HUB_OFFLINE=1 (needs
-                  `pip install "transformers[serving]"`), pinned to the model directory.
+                  `pip install "transformers[serving]"`), pinned to the model directory;
+  - llama-server: llama.cpp's server (`--llama-server`, default `llama-server` on PATH) on
+                  `--gguf`, the same weights converted by llama.cpp's convert_hf_to_gguf.py,
+                  `-np --llama-slots -t --threads -c slots*--llama-slot-ctx`. It ignores
+                  X-Session-Id (its slots reuse prompt prefixes).
 Both get the same KV budget (`--kv-gb`: ds4pool's `--kv-device-gb`, transformers'
 `--cb-num-blocks` computed from the model's KV bytes per token and its 256-token pages) and
 the same per-step token budget (`--max-batch-tokens` / `--cb-max-batch-tokens`).
+
+With --repeat R the whole list of (N, server) runs R times, the servers alternating within
+each N, so that a busy machine slows both sides of a comparison alike; the ratio lines pair
+ds4pool with each other server in the same round and give the median over rounds.
 
 For every server and every N a FRESH server runs `ds4pool bench agents` (as a subprocess,
 the command is printed) with the same seed and sizes, so every run sends the same
@@ -48,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.bench.agents import moves_cell, ms_pair  # noqa: E402
 
-SERVERS = ("ds4pool", "no-batching", "transformers")
+SERVERS = ("ds4pool", "no-batching", "transformers", "llama-server")
 TF_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig.page_size default
 TF_GEN_CONFIG = json.dumps({"generation_config": json.dumps({"do_sample": False})})
 
@@ -78,6 +88,8 @@ def server_command(
         argv += ["--device", "cpu", "--dtype", "float32", "--kv-device-gb", str(args.kv_gb)]
         argv += ["--max-batch-tokens", str(args.max_batch_tokens), *common]
         return argv + (["--no-batching"] if name == "no-batching" else []), env, []
+    if name == "llama-server":
+        return llama_server_command(port, args), env, []
     exe = shutil.which("transformers")
     if exe is None:
         raise RuntimeError("the transformers CLI is not installed")
@@ -87,6 +99,41 @@ def server_command(
     argv += ["--dtype", "float32", *common, str(model_dir)]
     env["HF_HUB_OFFLINE"] = "1"
     return argv, env, ["--no-ignore-eos", "--extra-body", TF_GEN_CONFIG]
+
+
+def llama_server_command(port: int, args: argparse.Namespace) -> list[str]:
+    exe = shutil.which(str(args.llama_server))
+    if exe is None:
+        raise RuntimeError(f"llama-server not found: {args.llama_server} (--llama-server PATH)")
+    if args.gguf is None or not args.gguf.is_file():
+        raise RuntimeError(f"llama-server needs --gguf FILE (got {args.gguf})")
+    argv = [exe, "-m", str(args.gguf), "-np", str(args.llama_slots), "-t", str(args.threads)]
+    argv += ["-c", str(args.llama_slots * args.llama_slot_ctx), "--metrics"]
+    argv += shlex.split(args.llama_args)
+    return argv + ["--host", "127.0.0.1", "--port", str(port)]
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """VmHWM of a live process (Linux); None elsewhere."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_times(pid: int) -> dict[str, float] | None:
+    """User and kernel CPU seconds and minor page faults of a live process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    # fields[0] is field 3 of proc(5): minflt is field 10, utime 14, stime 15
+    return {"user_s": int(fields[11]) / tick, "sys_s": int(fields[12]) / tick,
+            "minflt": float(fields[7])}  # fmt: skip
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
@@ -123,18 +170,20 @@ def workload_flags(args: argparse.Namespace, n: int) -> list[str]:
     ]  # fmt: skip
 
 
-def run_one(name: str, n: int, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(
+    name: str, n: int, model_dir: Path, args: argparse.Namespace, rnd: int = 0
+) -> dict[str, Any]:
     """A fresh server, one `bench agents` run against it, the server stopped."""
     port = free_port()
     argv, env, client_flags = server_command(name, model_dir, port, args)
-    log = args.out / f"{name}-N{n}.server.log"
+    label = f"{name}-N{n}" + (f"-r{rnd}" if args.repeat > 1 else "")
+    log = args.out / f"{label}.server.log"
     print(f"\n$ {shlex.join(argv)}", file=sys.stderr)
     with log.open("wb") as log_file:
         proc = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc, log, args.start_timeout_s)
-        label = f"{name}-N{n}"
         cmd = [sys.executable, "-m", "ds4pool", "bench", "agents", "--url", url]
         cmd += [*workload_flags(args, n), *client_flags, "--out", str(args.out), "--label", label]
         print(f"$ {shlex.join(cmd)}", file=sys.stderr)
@@ -144,6 +193,8 @@ def run_one(name: str, n: int, model_dir: Path, args: argparse.Namespace) -> dic
             raise RuntimeError(f"{label}: the bench wrote no report")
         report = json.loads(report_path.read_text())
         report["server"], report["server_command"] = name, shlex.join(argv)
+        report["round"], report["server_peak_rss"] = rnd, peak_rss_bytes(proc.pid)
+        report["server_cpu"] = cpu_times(proc.pid)  # since the server started
         return report
     finally:
         stop(proc)
@@ -163,50 +214,109 @@ def same_replies(report: dict[str, Any], ref: dict[str, Any] | None) -> str:
 
 
 HEADER = (
-    "| server | agents | turns ok | TTFT first p50 / p95 (ms) | TTFT resumed p50 / p95 (ms) "
-    "| ITL p50 / p95 (ms) | gen tok/s | wall (s) | prefill computed / reused | session moves "
-    "| same text as ds4pool | load 1m |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
+    "| server | agents | round | turns ok | TTFT first p50 / p95 (ms) "
+    "| TTFT resumed p50 / p95 (ms) | ITL p50 / p95 (ms) | gen tok/s | wall (s) "
+    "| prefill computed / reused | session moves | same text as ds4pool | peak RSS (GB) "
+    "| server CPU user / sys (s) "
+    "| load 1m |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"
 )
 
 
+def _key(r: dict[str, Any]) -> tuple[int, int]:
+    return r["workload"]["agents"], r.get("round", 0)
+
+
+def _gb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.2f}"
+
+
+def _cpu(c: dict[str, float] | None) -> str:
+    return "n/a" if c is None else f"{c['user_s']:.0f} / {c['sys_s']:.0f}"
+
+
 def table(reports: list[dict[str, Any]]) -> str:
-    refs = {r["workload"]["agents"]: r for r in reports if r["server"] == "ds4pool"}
+    refs = {_key(r): r for r in reports if r["server"] == "ds4pool"}
     rows = [HEADER]
     for r in reports:
         n, p = r["workload"]["agents"], r["prefill"]
         load = r["machine_before"]["loadavg"][0]
         rows.append(
-            f"| {r['server']} | {n} | {r['turns_ok']}/{r['turns_planned']} "
+            f"| {r['server']} | {n} | {r.get('round', 0)} | {r['turns_ok']}/{r['turns_planned']} "
             f"| {ms_pair(r['ttft_first_s'])} | {ms_pair(r['ttft_resumed_s'])} "
             f"| {ms_pair(r['itl_s'])} | {r['gen_tok_s']:.1f} | {r['wall_s']:.1f} "
             f"| {p['computed']:,} / {p['reused']:,} | {moves_cell(r['session_moves'])} "
-            f"| {same_replies(r, refs.get(n))} | {load:.2f} |"
+            f"| {same_replies(r, refs.get(_key(r)))} | {_gb(r.get('server_peak_rss'))} "
+            f"| {_cpu(r.get('server_cpu'))} | {load:.2f} |"
         )
     return "\n".join(rows)
 
 
+# (other server, resumed TTFT goal, tok/s goal, ITL goal: ds4pool's p50 at most goal x theirs)
+GOALS = (
+    ("no-batching", 10.0, 4.0, None),
+    ("transformers", 1.0, 1.0, None),
+    ("llama-server", 1.0, 1.0, 2.0),
+)
+
+
+def _ratios(ours: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    """ds4pool vs one other run: resumed TTFT (theirs / ours: > 1 is better), tok/s (ours /
+    theirs), ITL p50 (ours / theirs: < 1 is better)."""
+
+    def div(a: float | None, b: float | None) -> float:
+        return a / b if a and b else float("nan")
+
+    return {
+        "ttft": div(other["ttft_resumed_s"]["p50"], ours["ttft_resumed_s"]["p50"]),
+        "tps": div(ours["gen_tok_s"], other["gen_tok_s"]),
+        "itl": div(ours["itl_s"]["p50"], other["itl_s"]["p50"]),
+    }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if not math.isnan(x))
+    if not xs:
+        return float("nan")
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def targets(reports: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets at the largest N: resumed TTFT >= 10x and tok/s >= 4x vs
-    no-batching; ahead of transformers serve."""
-    by = {(r["server"], r["workload"]["agents"]): r for r in reports}
+    """The issue's targets at the largest N, as ratios of runs of the same round: resumed
+    TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server."""
+    by = {(r["server"], *_key(r)): r for r in reports}
     n = max(r["workload"]["agents"] for r in reports)
-    ours = by.get(("ds4pool", n))
-    if ours is None:
-        return []
+    rounds = sorted({r.get("round", 0) for r in reports})
     lines = []
-    for other, ttft_goal, tps_goal in (("no-batching", 10.0, 4.0), ("transformers", 1.0, 1.0)):
-        r = by.get((other, n))
-        if r is None or not r["ttft_resumed_s"]["p50"] or not ours["ttft_resumed_s"]["p50"]:
+    for other, ttft_goal, tps_goal, itl_goal in GOALS:
+        pairs = [
+            _ratios(by[("ds4pool", n, k)], by[(other, n, k)])
+            for k in rounds
+            if ("ds4pool", n, k) in by and (other, n, k) in by
+        ]
+        if not pairs:
             continue
-        ttft = r["ttft_resumed_s"]["p50"] / ours["ttft_resumed_s"]["p50"]
-        tps = ours["gen_tok_s"] / r["gen_tok_s"] if r["gen_tok_s"] else float("inf")
-        lines.append(
-            f"N={n}, ds4pool vs {other}: resumed-turn TTFT p50 {ttft:.1f}x better "
-            f"(target >= {ttft_goal:g}x: {'met' if ttft >= ttft_goal else 'NOT met'}), "
-            f"gen tok/s {tps:.2f}x (target >= {tps_goal:g}x: "
-            f"{'met' if tps >= tps_goal else 'NOT met'})"
+        med = {m: _median([p[m] for p in pairs]) for m in ("ttft", "tps", "itl")}
+
+        each = {m: ", ".join(f"{p[m]:.2f}" for p in pairs) for m in ("ttft", "tps", "itl")}
+        text = (
+            f"N={n}, ds4pool vs {other} (median of {len(pairs)} round(s)): "
+            f"resumed-turn TTFT p50 {med['ttft']:.1f}x better [{each['ttft']}] "
+            f"(target >= {ttft_goal:g}x: {_verdict(med['ttft'] >= ttft_goal)}), "
+            f"gen tok/s {med['tps']:.2f}x [{each['tps']}] "
+            f"(target >= {tps_goal:g}x: {_verdict(med['tps'] >= tps_goal)})"
         )
+        if itl_goal is not None:
+            text += (
+                f", ITL p50 {med['itl']:.2f}x theirs [{each['itl']}] "
+                f"(target <= {itl_goal:g}x: {_verdict(med['itl'] <= itl_goal)})"
+            )
+        lines.append(text)
     return lines
 
 
@@ -223,7 +333,10 @@ def plot(reports: list[dict[str, Any]], path: Path, title: str = "") -> None:
     servers = [s for s in SERVERS if any(r["server"] == s for r in reports)]
     n_max = max(r["workload"]["agents"] for r in reports)
     for s in servers:
-        rs = sorted((r for r in reports if r["server"] == s), key=lambda r: r["workload"]["agents"])
+        rs = sorted(
+            (r for r in reports if r["server"] == s and r.get("round", 0) == 0),
+            key=lambda r: r["workload"]["agents"],
+        )
         ns = [r["workload"]["agents"] for r in rs]
         for ax, key in ((axes[0][0], "ttft_resumed_s"), (axes[0][1], "ttft_first_s")):
             (line,) = ax.plot(ns, [r[key]["p50"] * 1e3 for r in rs], "o-", label=f"{s} p50")
@@ -287,10 +400,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-gb", type=float, default=0.5, help="KV budget of every server")
     p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--repeat", type=int, default=1, help="rounds (servers alternate per N)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="llama-server -t (ds4pool and transformers use torch's default)",
+    )
+    p.add_argument("--gguf", type=Path, default=None, help="llama-server's model file")
+    p.add_argument("--llama-server", type=Path, default=Path("llama-server"))
+    p.add_argument("--llama-slots", type=int, default=4, help="llama-server -np")
+    p.add_argument("--llama-slot-ctx", type=int, default=8192, help="context per slot")
+    p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=Path("out/agents_compare"))
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
     return p.parse_args(argv)
+
+
+def run_order(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+    """(round, N, server) in run order. One round: every server at N before the next N,
+    so the runs being compared are minutes apart; later rounds reverse the server order
+    (A B, B A, A B ...) so neither side always runs first."""
+    if args.repeat == 1:  # the original order: every N of one server, then the next
+        return [(0, n, name) for name in args.servers for n in args.agents]
+    order = []
+    for rnd in range(args.repeat):
+        names = args.servers if rnd % 2 == 0 else args.servers[::-1]
+        order += [(rnd, n, name) for n in args.agents for name in names]
+    return order
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,13 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     reports, failures = [], []
-    for name in args.servers:
-        for n in args.agents:
-            try:
-                reports.append(run_one(name, n, args.model_dir, args))
-            except RuntimeError as exc:
-                failures.append(f"{name} N={n}: {exc}")
-                print(f"FAILED {failures[-1]}", file=sys.stderr)
+    for rnd, n, name in run_order(args):
+        try:
+            reports.append(run_one(name, n, args.model_dir, args, rnd))
+        except RuntimeError as exc:
+            failures.append(f"{name} N={n} round {rnd}: {exc}")
+            print(f"FAILED {failures[-1]}", file=sys.stderr)
     header = (
         f"model {args.model_dir} ({kv_bytes_per_token(args.model_dir)} B of KV per token); "
         f"turns {args.turns}, S={args.system_tokens}, U={args.user_tokens}, "

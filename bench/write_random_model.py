@@ -3,6 +3,12 @@ the demo tokenizer (byte-level BPE, 8,192 ids), so that other servers (llama.cpp
 converter, transformers) can load exactly the weights ds4pool serves.
 
     python bench/write_random_model.py --preset llama3-8b --vocab 8192 /tmp/m8b --device cuda
+    python bench/write_random_model.py --preset 100m --vocab 1024 --dtype float32 /tmp/m77
+
+The demo tokenizer has 1,024 ids: with a larger --vocab the model mostly samples ids that
+decode to no text (llama.cpp pads its vocabulary the same way), which is fine for decode
+speed but leaves an HTTP client nothing to time. The CPU multi-agent comparison with
+llama-server uses the second command (77M parameters).
 
 The peers' figures in ../shared/peers/README.md were measured on this shape (hidden 4096,
 32 layers, GQA 32/8, vocab 8192: 7.05B parameters, 14.09 GB in bf16).
@@ -41,6 +47,14 @@ def main() -> None:
         if f.name.startswith("tokenizer") or f.name == "generation_config.json":
             shutil.copy(f, out / f.name)
     base = json.loads((tok_dir / "config.json").read_text())
+    if args.vocab < base["vocab_size"]:
+        ap.error(f"--vocab must be >= the demo tokenizer's {base['vocab_size']} ids")
+    if args.vocab > base["vocab_size"]:  # fine for decode speed, useless for streamed text
+        print(
+            f"note: ids >= {base['vocab_size']} have no token and decode to no text on any "
+            f"server; for HTTP workloads that time streamed text use --vocab {base['vocab_size']}",
+            file=sys.stderr,
+        )
     hf = dict(demo.DEMO_CONFIG, head_dim=None, **demo.PRESETS[args.preset])
     hf.update(
         vocab_size=args.vocab,

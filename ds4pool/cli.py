@@ -7,12 +7,14 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from ds4pool import __version__
 from ds4pool.errors import Ds4poolError
+from ds4pool.threads import apply_thread_env
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +86,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_thread_env(os.environ)  # before any subcommand imports torch
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:

@@ -174,6 +174,12 @@ async def run_turn(
                 stamps.append(now)
     res.e2e = time.perf_counter() - t0
     if not stamps:
+        if res.completion_tokens:  # generated, but nothing to time: say why
+            raise RuntimeError(
+                f"the stream ended without any content ({res.completion_tokens} tokens "
+                "generated that decode to no text: does the model's vocab_size exceed its "
+                "tokenizer's? ids without a token decode to nothing)"
+            )
         raise RuntimeError("the stream ended without any content")
     res.ttft = stamps[0] - t0
     res.gaps = [b - a for a, b in zip(stamps, stamps[1:])]
