@@ -23,7 +23,28 @@ TINY = {
     "rms_norm_eps": 1e-6,
 }
 
-# name → (config class name, extra config fields)
+DEEPSEEK = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,  # = heads: MLA has no KV heads (transformers repeats by the ratio)
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 24,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,  # x factor 4 = max_position_embeddings
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "tie_word_embeddings": False,
+}
+
+# name → (config class name, extra config fields, over TINY's)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "llama3-tied": (
@@ -44,6 +65,22 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}),
+    # Multi-head latent attention: q through a LoRA (q_lora_rank), DeepSeek's interleaved rope
+    # with yarn scaling (it rescales every frequency band, whatever the position; mscale !=
+    # mscale_all_dim so that cos/sin carry a factor and the softmax scale another).
+    "deepseek-v3": ("DeepseekV3Config", {**DEEPSEEK, "first_k_dense_replace": 3}),
+    # q_proj without a LoRA, the rotate-half rope layout, plain rope.
+    "deepseek-v3-plain": (
+        "DeepseekV3Config",
+        {
+            **DEEPSEEK,
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "first_k_dense_replace": 2,
+            "num_hidden_layers": 2,
+        },
+    ),
 }
 
 
@@ -54,7 +91,7 @@ def build_hf_model(
     import transformers
 
     cls_name, extra = CASES[name]
-    config = getattr(transformers, cls_name)(**TINY, **extra)
+    config = getattr(transformers, cls_name)(**{**TINY, **extra})
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     gen = torch.Generator().manual_seed(7)

@@ -18,7 +18,10 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+# Architectures with multi-head latent attention (their KV cache is the latent: `MLAConfig`).
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -26,11 +29,42 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # "default" | "llama3"
+    kind: str = "default"  # "default" | "llama3" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # yarn only (DeepSeek-V3): the ramp between extrapolated and interpolated frequencies,
+    # and the magnitude scales (cos/sin by attention_factor, the softmax by mscale_all_dim).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). Per token the cache holds one latent of
+    kv_lora_rank values (normed) and qk_rope_head_dim rotated key values shared by all heads;
+    kv_b_proj lifts the first to per-head keys (qk_nope_head_dim) and values (v_head_dim)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj → norm → q_b_proj
+    rope_interleave: bool = True  # DeepSeek's rotary pairs are adjacent dims (x0, x1), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer in the cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -55,6 +89,7 @@ class ModelConfig:
     torch_dtype: str = "float32"  # the checkpoint's own dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    mla: MLAConfig | None = None  # set for latent-attention models (head_dim = qk_head_dim)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -74,9 +109,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def kv_cache(self) -> tuple[str, int, int, int]:
+        """What one token stores per layer: (KVLayout kind, planes, heads, dim)."""
+        if self.mla is not None:
+            return ("mla", 1, 1, self.mla.latent_dim)
+        return ("kv", 2, self.num_kv_heads, self.head_dim)
+
     def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * element_size
+        """Bytes of KV (K and V, or the MLA latent) one token occupies across all layers."""
+        _, planes, heads, dim = self.kv_cache
+        return planes * self.num_layers * heads * dim * element_size
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -93,6 +136,9 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             head_dim = cfg.get("head_dim") or hidden // heads
+            mla = _mla_from_hf(cfg) if arch in MLA_ARCHITECTURES else None
+            if mla is not None:  # HF's head_dim is the rope width there; ours the q/k width
+                head_dim = mla.qk_head_dim
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             sliding = cfg.get("sliding_window")
@@ -107,11 +153,11 @@ class ModelConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                num_kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
                 max_position=int(cfg.get("max_position_embeddings", 4096)),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=_rope_from_hf(cfg),
+                rope=_rope_from_hf(cfg, allow_yarn=mla is not None),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 qkv_bias=family["qkv_bias"],
@@ -121,6 +167,7 @@ class ModelConfig:
                 torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                mla=mla,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json: missing or invalid field {exc}") from None
@@ -131,7 +178,24 @@ def _dtype_name(value: object) -> str:
     return name if name in DTYPES else "float32"
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+def _mla_from_hf(cfg: dict[str, Any]) -> MLAConfig:
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLAConfig(
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        value = getattr(mla, name)
+        if value <= 0 or (name == "qk_rope_head_dim" and value % 2):
+            raise ModelLoadError(f"config value {name}={value} must be > 0 (and even for rope)")
+    return mla
+
+
+def _rope_from_hf(cfg: dict[str, Any], allow_yarn: bool = False) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints
     # have `rope_theta` and an optional `rope_scaling` dict.
     params = dict(cfg.get("rope_scaling") or {})
@@ -140,8 +204,13 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return RopeConfig(theta=theta)
+    if kind == "yarn" and allow_yarn:
+        # Only the latent-attention models take yarn: their rope runs in torch, where the
+        # cos/sin magnitude scale is applied (the fused Triton rope of the Llama path has none).
+        return _yarn_from_hf(cfg, params, theta)
     if kind != "llama3":
-        raise ModelLoadError(f"unsupported rope type {kind!r}; supported: default, llama3")
+        supported = "default, llama3, yarn" if allow_yarn else "default, llama3"
+        raise ModelLoadError(f"unsupported rope type {kind!r}; supported: {supported}")
     return RopeConfig(
         theta=theta,
         kind="llama3",
@@ -149,4 +218,24 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _yarn_from_hf(cfg: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-V3: the ratio of the context lengths (as transformers)
+        factor = int(cfg.get("max_position_embeddings", 4096)) / original
+    attention_factor = params.get("attention_factor")
+    return RopeConfig(
+        theta=theta,
+        kind="yarn",
+        factor=float(factor),
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )

@@ -101,8 +101,10 @@ def weights_identity(files: list[Path]) -> str:
 
 def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     """Allocate the model on `device` in `dtype` without initialising (no fp32 detour)."""
+    from ds4pool.model.deepseek_v3 import DeepseekV3ForCausalLM
+
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = DeepseekV3ForCausalLM(cfg) if cfg.mla is not None else LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -112,10 +114,9 @@ def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> L
 
 def reset_buffers(model: LlamaForCausalLM, device: torch.device) -> None:
     # Non-persistent buffers are not in checkpoints; recompute them in float32 on device.
-    cfg = model.config
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            module.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+            module.inv_freq = rope_inv_freq(module.dim, module.rope).to(device)
 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path], show_progress: bool) -> None:
