@@ -108,11 +108,27 @@ def build_hf_model(
     return model
 
 
-def tiny_runner(vocab: int, seed: int, block_size: int) -> ModelRunner:
-    """A 2-layer random Llama (GQA 4/2, hidden 64) on CPU in fp32 behind a ModelRunner with
-    128 blocks, built in memory (no tokenizer): for runner-level batching and masking tests."""
-    cfg = ModelConfig.from_hf(
-        {
+# A DeepSeek-V3 (multi-head latent attention) counterpart of tiny_runner's Llama.
+TINY_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    **{k: v for k, v in DEEPSEEK.items() if k not in ("num_hidden_layers", "rope_parameters")},
+    "rope_parameters": {**DEEPSEEK["rope_parameters"], "original_max_position_embeddings": 64},
+    "first_k_dense_replace": 2,
+}
+
+
+def tiny_loaded(vocab: int, seed: int, arch: str = "llama") -> LoadedModel:
+    """A 2-layer random model on CPU in fp32, built in memory (no tokenizer): arch "llama"
+    (GQA 4/2, hidden 64) or "deepseek-v3" (latent attention, hidden 64)."""
+    if arch == "deepseek-v3":
+        hf = dict(TINY_DEEPSEEK, vocab_size=vocab)
+    else:
+        hf = {
             "architectures": ["LlamaForCausalLM"],
             "vocab_size": vocab,
             "hidden_size": 64,
@@ -122,9 +138,14 @@ def tiny_runner(vocab: int, seed: int, block_size: int) -> ModelRunner:
             "num_key_value_heads": 2,
             "max_position_embeddings": 256,
         }
-    )
+    cfg = ModelConfig.from_hf(hf)
     model = build_empty(cfg, torch.device("cpu"), torch.float32)
     init_random_(model, seed=seed)
     cpu = torch.device("cpu")
-    loaded = LoadedModel(model, cfg, None, "t", None, cpu, torch.float32, "t")  # type: ignore[arg-type]
-    return ModelRunner(loaded, num_blocks=128, block_size=block_size)
+    return LoadedModel(model, cfg, None, "t", None, cpu, torch.float32, f"t-{arch}")  # type: ignore[arg-type]
+
+
+def tiny_runner(vocab: int, seed: int, block_size: int, arch: str = "llama") -> ModelRunner:
+    """tiny_loaded's model behind a ModelRunner with 128 blocks: for runner-level batching
+    and masking tests."""
+    return ModelRunner(tiny_loaded(vocab, seed, arch), num_blocks=128, block_size=block_size)

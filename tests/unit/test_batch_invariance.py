@@ -12,9 +12,9 @@ from tests.hf_models import tiny_runner
 BLOCK = 8
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    return tiny_runner(300, seed=3, block_size=BLOCK)
+@pytest.fixture(scope="module", params=["llama", "deepseek-v3"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    return tiny_runner(300, seed=3, block_size=BLOCK, arch=request.param)
 
 
 def ids(n: int, seed: int) -> list[int]:
