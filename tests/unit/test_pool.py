@@ -12,8 +12,8 @@ import torch
 from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv import disk as disk_module
 from ds4pool.kv.pool import PoolObserver, SessionPool
-from ds4pool.kv.transfer import gather_to_host
 from ds4pool.kv.session import InvalidSessionIdError, SessionBusyError
+from ds4pool.kv.transfer import gather_to_host
 from ds4pool.model.device import select_device
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
