@@ -44,6 +44,35 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}),
+    # 3 layers: sparse, dense (mlp_only_layers), sparse; 8 experts of width 32, top-2
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 24,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # decoder_sparse_step 2 (layers 1 and 3 sparse), softmax weights not renormalised
+    "qwen3-moe-step2": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
 }
 
 
@@ -54,7 +83,7 @@ def build_hf_model(
     import transformers
 
     cls_name, extra = CASES[name]
-    config = getattr(transformers, cls_name)(**TINY, **extra)
+    config = getattr(transformers, cls_name)(**{**TINY, **extra})
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     gen = torch.Generator().manual_seed(7)
