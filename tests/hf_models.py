@@ -100,9 +100,20 @@ def build_hf_model(
     return model
 
 
-def tiny_runner(vocab: int, seed: int, block_size: int) -> ModelRunner:
-    """A 2-layer random Llama (GQA 4/2, hidden 64) on CPU in fp32 behind a ModelRunner with
-    128 blocks, built in memory (no tokenizer): for runner-level batching and masking tests."""
+# A Qwen3-MoE shape for tiny_runner: 8 experts of width 32, top-2, every layer sparse.
+TINY_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+
+
+def tiny_runner(vocab: int, seed: int, block_size: int, moe: bool = False) -> ModelRunner:
+    """A 2-layer random Llama (GQA 4/2, hidden 64; with `moe`, the Qwen3-MoE of TINY_MOE) on
+    CPU in fp32 behind a ModelRunner with 128 blocks, built in memory (no tokenizer): for
+    runner-level batching and masking tests."""
     cfg = ModelConfig.from_hf(
         {
             "architectures": ["LlamaForCausalLM"],
@@ -113,6 +124,7 @@ def tiny_runner(vocab: int, seed: int, block_size: int) -> ModelRunner:
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "max_position_embeddings": 256,
+            **(TINY_MOE if moe else {}),
         }
     )
     model = build_empty(cfg, torch.device("cpu"), torch.float32)

@@ -18,7 +18,7 @@ from torch import nn
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from ds4pool.model.moe import SparseMoeBlock
+from ds4pool.model.moe import SparseMoeBlock, grouped_mm_supported
 from ds4pool.model.ops import TorchOps
 
 
@@ -147,6 +147,15 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache, next_norm in zip(layers, kv_caches, norms):
             h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
         return h
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode forward may be captured: dense models always; MoE models where the
+        grouped expert path runs without a host sync (model/moe.py), not the per-expert loop."""
+        if self.config.moe is None:
+            return True
+        weight = self.model.embed_tokens.weight
+        return grouped_mm_supported(weight.device, weight.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)

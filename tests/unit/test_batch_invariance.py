@@ -1,4 +1,5 @@
-"""One ragged batch must give each sequence the same result as running it alone."""
+"""One ragged batch must give each sequence the same result as running it alone (dense and
+mixture-of-experts models: a token's experts depend on it alone, not on its batch)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from tests.hf_models import tiny_runner
 BLOCK = 8
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    return tiny_runner(300, seed=3, block_size=BLOCK)
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    return tiny_runner(300, seed=3, block_size=BLOCK, moe=request.param == "moe")
 
 
 def ids(n: int, seed: int) -> list[int]:
