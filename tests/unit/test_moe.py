@@ -185,3 +185,17 @@ def test_mixtral_mapping_stacks_experts_and_renames_the_block() -> None:
     assert m(f"{pre}.experts.2.w2.weight", cfg) == WeightTarget(f"{stacked}.down_proj", (2,))
     assert m(f"{pre}.gate.weight", cfg) == WeightTarget("model.layers.0.mlp.gate.weight")
     assert m("model.norm.weight", cfg) == WeightTarget("model.norm.weight")
+
+
+def test_qwen3_30b_a3b_preset_has_the_published_size() -> None:
+    from ds4pool.model.demo import preset_config
+    from ds4pool.model.loader import build_empty
+
+    cfg = preset_config("random:qwen3-30b-a3b")
+    model = build_empty(cfg, torch.device("meta"), torch.bfloat16)  # shapes only
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert cfg.moe is not None and len(cfg.moe.sparse_layers) == 48
+    active = total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
+    assert round(total / 1e9, 1) == 30.5 and round(active / 1e9, 1) == 3.4  # "30B-A3B"
+    assert experts == 48 * 128 * cfg.moe.expert_bytes(2048, 1)
