@@ -244,7 +244,7 @@ def hf_config_of(spec: str) -> dict:
     from ds4pool.model.loader import read_json
 
     if spec.startswith("random:"):
-        return dict(demo.DEMO_CONFIG, head_dim=None, **demo.PRESETS[spec.removeprefix("random:")])
+        return demo.preset_hf_config(spec)
     directory = demo.ensure_demo_model() if spec == "demo" else Path(spec).expanduser()
     return read_json(directory / "config.json")
 

@@ -42,6 +42,16 @@ DEEPSEEK = {
         "beta_slow": 1,
     },
     "tie_word_embeddings": False,
+    # DeepSeek's MoE: sigmoid router over 8 experts in 4 groups (a token picks among the best
+    # 2 groups, then its top 2 experts), renormalised and scaled, plus one shared expert.
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
 }
 
 # name → (config class name, extra config fields, over TINY's)
@@ -65,11 +75,42 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": False}),
+    # 3 layers: sparse, dense (mlp_only_layers), sparse; 8 experts of width 32, top-2
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 24,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # decoder_sparse_step 2 (layers 1 and 3 sparse), softmax weights not renormalised
+    "qwen3-moe-step2": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
     # Multi-head latent attention: q through a LoRA (q_lora_rank), DeepSeek's interleaved rope
     # with yarn scaling (it rescales every frequency band, whatever the position; mscale !=
     # mscale_all_dim so that cos/sin carry a factor and the softmax scale another).
-    "deepseek-v3": ("DeepseekV3Config", {**DEEPSEEK, "first_k_dense_replace": 3}),
-    # q_proj without a LoRA, the rotate-half rope layout, plain rope.
+    # Layer 0 dense, layers 1-2 MoE.
+    "deepseek-v3": ("DeepseekV3Config", {**DEEPSEEK, "first_k_dense_replace": 1}),
+    # q_proj without a LoRA, the rotate-half rope layout, plain rope; one expert group (no
+    # group limit), weights not renormalised, two shared experts.
     "deepseek-v3-plain": (
         "DeepseekV3Config",
         {
@@ -77,8 +118,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "q_lora_rank": None,
             "rope_interleave": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "first_k_dense_replace": 2,
+            "first_k_dense_replace": 1,
             "num_hidden_layers": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "n_shared_experts": 2,
         },
     ),
 }
@@ -102,33 +147,39 @@ def build_hf_model(
             noise = torch.randn(p.shape, generator=gen) * (0.05 if "norm" in pname else 0.08)
             base = 1.0 if "norm" in pname else 0.0
             p.copy_((base + noise).to(dtype))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # DeepSeek's router bias: 0 at init
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "5GB")
     return model
 
 
-# A DeepSeek-V3 (multi-head latent attention) counterpart of tiny_runner's Llama.
+# Shapes for tiny_loaded besides its Llama: a Qwen3-MoE (8 experts of width 32, top-2, every
+# layer sparse) and a DeepSeek-V3 (multi-head latent attention; a dense layer, then an MoE one
+# with DeepSeek's router and a shared expert).
+TINY_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
 TINY_DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 256,
     **{k: v for k, v in DEEPSEEK.items() if k not in ("num_hidden_layers", "rope_parameters")},
     "rope_parameters": {**DEEPSEEK["rope_parameters"], "original_max_position_embeddings": 64},
-    "first_k_dense_replace": 2,
+    "first_k_dense_replace": 1,
 }
 
 
 def tiny_loaded(vocab: int, seed: int, arch: str = "llama") -> LoadedModel:
     """A 2-layer random model on CPU in fp32, built in memory (no tokenizer): arch "llama"
-    (GQA 4/2, hidden 64) or "deepseek-v3" (latent attention, hidden 64)."""
-    if arch == "deepseek-v3":
-        hf = dict(TINY_DEEPSEEK, vocab_size=vocab)
-    else:
-        hf = {
+    (GQA 4/2, hidden 64), "qwen3-moe" (that with TINY_MOE) or "deepseek-v3" (TINY_DEEPSEEK)."""
+    extra = {"qwen3-moe": TINY_MOE, "deepseek-v3": TINY_DEEPSEEK, "llama": {}}[arch]
+    cfg = ModelConfig.from_hf(
+        {
             "architectures": ["LlamaForCausalLM"],
             "vocab_size": vocab,
             "hidden_size": 64,
@@ -137,8 +188,9 @@ def tiny_loaded(vocab: int, seed: int, arch: str = "llama") -> LoadedModel:
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "max_position_embeddings": 256,
+            **extra,
         }
-    cfg = ModelConfig.from_hf(hf)
+    )
     model = build_empty(cfg, torch.device("cpu"), torch.float32)
     init_random_(model, seed=seed)
     cpu = torch.device("cpu")

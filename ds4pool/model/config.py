@@ -11,17 +11,27 @@ from typing import Any
 
 from ds4pool.errors import ModelLoadError
 
-# Architectures and the per-family switches they imply. A plain dict: adding a
-# Llama-family variant is one line here plus its parameter-name quirks in llama.py.
+# Architectures and the per-family switches of their config.json. A plain dict: adding a
+# Llama-family variant is one line here, plus its model class and weight mapping in
+# model/registry.py (a test keeps the two tables' keys equal).
 ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 # Architectures with multi-head latent attention (their KV cache is the latent: `MLAConfig`).
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+# How a router turns a token's expert logits into top-k (weights, ids); model/moe.py.
+ROUTERS = (
+    "softmax_topk",  # Qwen3-MoE: softmax over all experts, top-k, renormalise if norm_topk_prob
+    "topk_softmax",  # Mixtral: top-k logits, softmax over those k
+    "sigmoid_group_topk",  # DeepSeek-V3: sigmoid, bias-corrected group-limited top-k, scaled
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -68,6 +78,46 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a config: which layers are sparse and how they route.
+
+    An expert is a gated SiLU MLP of `intermediate_size`; a sparse layer sends each token to
+    `top_k` of `num_experts` experts and sums their outputs weighted by the router.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    router: str  # one of ROUTERS
+    sparse_layers: tuple[int, ...]  # layer indices with an MoE block; the others are dense
+    norm_topk_prob: bool = False  # renormalise the k weights to sum to 1
+    # DeepSeek-V3 routing: experts in n_group groups, tokens pick among topk_group of them
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # always-on experts (DeepSeek), intermediate_size each
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ModelLoadError(f"unknown MoE router {self.router!r}; known: {', '.join(ROUTERS)}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.intermediate_size <= 0:
+            raise ModelLoadError(f"expert intermediate size {self.intermediate_size} must be > 0")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ModelLoadError(
+                f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                f"topk_group={self.topk_group} must be in [1, n_group]"
+            )
+
+    def expert_bytes(self, hidden_size: int, element_size: int) -> int:
+        """Weights of one expert (gate, up and down projections)."""
+        return 3 * hidden_size * self.intermediate_size * element_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -89,6 +139,7 @@ class ModelConfig:
     torch_dtype: str = "float32"  # the checkpoint's own dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # None: every layer has the dense MLP
     mla: MLAConfig | None = None  # set for latent-attention models (head_dim = qk_head_dim)
 
     def __post_init__(self) -> None:
@@ -144,14 +195,15 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
             if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
                 sliding = None
-            if arch in ("Qwen3ForCausalLM",) and not cfg.get("use_sliding_window", False):
+            if arch.startswith("Qwen3") and not cfg.get("use_sliding_window", False):
                 sliding = None
+            num_layers = int(cfg["num_hidden_layers"])
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
@@ -167,10 +219,58 @@ class ModelConfig:
                 torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                moe=_moe_from_hf(arch, cfg, num_layers),
                 mla=mla,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json: missing or invalid field {exc}") from None
+
+
+def _moe_from_hf(arch: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            router="topk_softmax",
+            sparse_layers=tuple(range(num_layers)),
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        # Qwen's own config.json says num_experts; transformers 5 writes num_local_experts
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts == 0:  # transformers' rule: no experts, every layer dense
+            return None
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = set(cfg.get("mlp_only_layers") or ())
+        return MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            router="softmax_topk",
+            sparse_layers=tuple(
+                i for i in range(num_layers) if i not in dense and (i + 1) % step == 0
+            ),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        )
+    if arch == "DeepseekV3ForCausalLM":
+        # Missing keys take transformers' DeepseekV3Config defaults, as the reference would.
+        experts = int(cfg.get("n_routed_experts", 256) or 0)
+        if experts == 0:
+            return None
+        first_dense = int(cfg.get("first_k_dense_replace", 3) or 0)
+        return MoEConfig(
+            num_experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 2048)),
+            router="sigmoid_group_topk",
+            sparse_layers=tuple(range(first_dense, num_layers)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            n_group=int(cfg.get("n_group", 8) or 1),
+            topk_group=int(cfg.get("topk_group", 4) or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+            num_shared_experts=int(cfg.get("n_shared_experts", 1) or 0),
+        )
+    return None
 
 
 def _dtype_name(value: object) -> str:

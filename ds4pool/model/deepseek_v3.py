@@ -19,6 +19,7 @@ from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from ds4pool.model.mla import MLAAttention
+from ds4pool.model.moe import SparseMoeBlock
 from ds4pool.model.ops import TorchOps
 
 
@@ -26,7 +27,11 @@ class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: MLABackend, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = MLAAttention(cfg, backend)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size)  # DeepSeek router + shared
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -98,7 +103,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             layer.self_attn.backend = backend
 
     def fuse_projections(self) -> None:
-        """After loading: gate/up → gate_up_proj in the dense MLPs."""
+        """After loading: gate/up → gate_up_proj in the dense MLPs and shared experts."""
         for layer in self.model.layers:
-            if isinstance(layer.mlp, GatedMLP):
-                layer.mlp.fuse()
+            layer.mlp.fuse()

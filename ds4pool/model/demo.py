@@ -84,6 +84,46 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "rope_theta": 500000.0,
     },
+    # A small Qwen3-MoE (32 experts of width 128, top-4, every layer sparse; 73M parameters,
+    # 29M active per token of which 16M the tied embedding): the CPU check of the MoE bench.
+    "qwen3-moe-70m": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+    },
+    # Shaped like Qwen3-30B-A3B (30.5B parameters, 3.3B active: 48 layers, 128 experts of
+    # width 768, top-8, GQA 32/4 with head_dim 128, q/k norms).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
 }
 
 
@@ -146,15 +186,19 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_hf_config(name: str) -> dict[str, Any]:
+    """The config.json fields of `random:<preset>` (the demo's, overridden by the preset's)."""
     preset = name.removeprefix("random:")
     if preset not in PRESETS:
         raise ModelLoadError(
             f"unknown random preset {name!r}; available: "
             + ", ".join(f"random:{p}" for p in PRESETS)
         )
-    hf = dict(DEMO_CONFIG, head_dim=None, **PRESETS[preset])
-    return ModelConfig.from_hf(hf)
+    return {**DEMO_CONFIG, "head_dim": None, **PRESETS[preset]}
+
+
+def preset_config(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(preset_hf_config(name))
 
 
 def load_random_preset(
