@@ -174,23 +174,27 @@ TINY_DEEPSEEK = {
 }
 
 
-def tiny_loaded(vocab: int, seed: int, arch: str = "llama") -> LoadedModel:
-    """A 2-layer random model on CPU in fp32, built in memory (no tokenizer): arch "llama"
-    (GQA 4/2, hidden 64), "qwen3-moe" (that with TINY_MOE) or "deepseek-v3" (TINY_DEEPSEEK)."""
+def tiny_hf_config(vocab: int, arch: str = "llama") -> dict[str, Any]:
+    """config.json fields of a 2-layer model (hidden 64, 4 heads): arch "llama" (GQA 4/2),
+    "qwen3-moe" (that with TINY_MOE) or "deepseek-v3" (TINY_DEEPSEEK)."""
     extra = {"qwen3-moe": TINY_MOE, "deepseek-v3": TINY_DEEPSEEK, "llama": {}}[arch]
-    cfg = ModelConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": vocab,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-            **extra,
-        }
-    )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        **extra,
+    }
+
+
+def tiny_loaded(vocab: int, seed: int, arch: str = "llama") -> LoadedModel:
+    """tiny_hf_config's model with random weights on CPU in fp32, built in memory (no
+    tokenizer)."""
+    cfg = ModelConfig.from_hf(tiny_hf_config(vocab, arch))
     model = build_empty(cfg, torch.device("cpu"), torch.float32)
     init_random_(model, seed=seed)
     cpu = torch.device("cpu")

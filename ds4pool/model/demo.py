@@ -27,7 +27,7 @@ from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo_tokenizer import build_demo_tokenizer
 from ds4pool.model.llama import LlamaForCausalLM
-from ds4pool.model.loader import LoadedModel, build_empty, tokenizer_identity
+from ds4pool.model.loader import LoadedModel, build_empty, checkpoint_tensors, tokenizer_identity
 from ds4pool.model.tokenizer import Tokenizer
 
 DEMO_VERSION = 2
@@ -124,6 +124,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    # DeepSeek-V3's architecture at a size for one H200: multi-head latent attention with V3's
+    # latent (kv_lora_rank 512 + rope 64 per token and layer) and q LoRA, yarn rope (factor
+    # 40 over 4k, 160k context), 1 dense layer then 26 MoE layers of 64 routed experts in 8
+    # groups (top-6 from the best 4 groups, sigmoid router) + 2 shared experts. Parameter
+    # count and KV bytes per token: docs/BENCHMARKS.md (tests/unit/test_presets.py checks).
+    "deepseek-v3-small": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 129280,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 768,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_group": 8,
+        "topk_group": 4,
+        "moe_intermediate_size": 1408,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
 }
 
 
@@ -134,9 +176,15 @@ def default_cache_dir() -> Path:
 
 def init_random_(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
     """Deterministic init, independent of parameter order: each tensor draws from its
-    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std)."""
+    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std),
+    persistent buffers too (DeepSeek's router correction bias: checkpoint tensors that
+    to_empty() left uninitialised)."""
     device = next(model.parameters()).device
-    for name, param in model.named_parameters():
+    tensors = dict(model.named_parameters())
+    for name, buf in checkpoint_tensors(model).items():
+        if name not in tensors and not isinstance(buf, torch.nn.Parameter):
+            tensors[name] = buf
+    for name, param in tensors.items():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith(".bias"):
