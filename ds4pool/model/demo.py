@@ -124,6 +124,41 @@ PRESETS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
+    # DeepSeek-V3's architecture at CPU size (4 layers, hidden 256, latent 64 + 16, 16 experts
+    # top-4 in 4 groups, 1 shared; 6.7M parameters at the demo vocabulary): the CPU check.
+    "deepseek-v3-tiny": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 1024,  # the demo tokenizer's
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 128,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
     # DeepSeek-V3's architecture at a size for one H200: multi-head latent attention with V3's
     # latent (kv_lora_rank 512 + rope 64 per token and layer) and q LoRA, yarn rope (factor
     # 40 over 4k, 160k context), 1 dense layer then 26 MoE layers of 64 routed experts in 8
