@@ -94,6 +94,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
         return h
 
+    def float32_modules(self) -> list[nn.Module]:
+        """Modules kept in float32 whatever the model dtype, as transformers keeps them
+        (`_keep_in_fp32_modules_strict`): the routers' weight and e_score_correction_bias,
+        whose rounding to bf16 would change which experts a token picks."""
+        return [
+            layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)
+        ]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)
 

@@ -110,7 +110,10 @@ def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> C
     with torch.device("meta"):
         model = family_for(cfg.architecture).model_class(cfg)
     assert isinstance(model, (LlamaForCausalLM, DeepseekV3ForCausalLM))
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    for module in getattr(model, "float32_modules", list)():
+        module.float()  # a family's modules that stay float32 (DeepSeek's routers)
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     reset_buffers(model, device)

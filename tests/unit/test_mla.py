@@ -75,3 +75,17 @@ def test_bad_mla_config_is_one_clear_line() -> None:
     del deepseek["kv_lora_rank"]
     with pytest.raises(ModelLoadError, match="kv_lora_rank"):
         ModelConfig.from_hf(deepseek)
+
+
+def test_routers_stay_float32_in_a_bf16_model() -> None:
+    # as transformers keeps them: a bf16 router bias would move tokens to other experts
+    from ds4pool.model.loader import build_empty
+    from ds4pool.model.moe import SparseMoeBlock
+
+    cfg = ModelConfig.from_hf(tiny_hf_config(100, "deepseek-v3"))
+    model = build_empty(cfg, torch.device("cpu"), torch.bfloat16)
+    sparse = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert sparse
+    for mlp in sparse:
+        assert mlp.gate.weight.dtype == mlp.gate.e_score_correction_bias.dtype == torch.float32
+        assert mlp.experts.gate_up_proj.dtype == torch.bfloat16
