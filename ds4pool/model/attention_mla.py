@@ -45,7 +45,11 @@ class MLABackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         value_dim: int,  # R: the values are latent[..., :R]
-    ) -> torch.Tensor: ...  # [T, H, R]
+    ) -> torch.Tensor: ...  # [T, H, R]; rows of prefills not in meta.prefills: unset
+
+    def context(
+        self, cache: torch.Tensor, meta: AttentionMetadata, p: PrefillSlice
+    ) -> torch.Tensor: ...  # [C, D] the latent of p's whole context, after forward wrote it
 
 
 def write_latent(cache: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor) -> None:
@@ -56,7 +60,8 @@ def write_latent(cache: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor)
 class TorchMLAAttention:
     """Reference MLA backend in plain torch. Decode tokens of all sequences are attended
     together (the latent gathered through the block tables, padded, padding masked); each
-    prompt chunk is attended on its own with SDPA, its H heads over the one latent head."""
+    prompt chunk in `meta.prefills` is attended on its own with SDPA, its H heads over the
+    one latent head. Every token's latent is written, whichever rows are attended."""
 
     name = "torch-mla"
     supports_cuda_graphs = False
@@ -78,6 +83,13 @@ class TorchMLAAttention:
         for p in meta.prefills:
             out[p.token_start : p.token_end] = self._prefill(q, cache, meta, p, scale, value_dim)
         return out
+
+    @staticmethod
+    def context(cache: torch.Tensor, meta: AttentionMetadata, p: PrefillSlice) -> torch.Tensor:
+        bs, d = cache.shape[2], cache.shape[4]
+        n_blocks = -(-p.context_len // bs)
+        table = meta.block_tables[p.row, :n_blocks]
+        return cache[0][table].reshape(n_blocks * bs, d)[: p.context_len]  # [C, D]
 
     @staticmethod
     def _decode(
@@ -104,24 +116,24 @@ class TorchMLAAttention:
         scale: float,
         r: int,
     ) -> torch.Tensor:  # [Q, H, R]
-        bs, d = cache.shape[2], cache.shape[4]
-        n_blocks = -(-p.context_len // bs)
-        table = meta.block_tables[p.row, :n_blocks]
-        keys = cache[0][table].reshape(n_blocks * bs, d)[: p.context_len]  # [C, D]
+        keys = TorchMLAAttention.context(cache, meta, p)  # [C, D]
         qs = q[p.token_start : p.token_end].transpose(0, 1)  # [H, Q, D]
-        n_q = qs.shape[1]
-        mask = None
-        if n_q != p.context_len:
-            # query i sits at position C - Q + i and sees keys at <= that
-            q_pos = torch.arange(p.context_len - n_q, p.context_len, device=q.device)[:, None]
-            mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos  # [Q, C]
         out = F.scaled_dot_product_attention(
             qs[None],  # [1, H, Q, D]
             keys[None, None],  # [1, 1, C, D]: one head shared by all
             keys[None, None, :, :r],  # [1, 1, C, R]
-            attn_mask=mask,
-            is_causal=mask is None,
+            attn_mask=causal_mask(qs.shape[1], p.context_len, q.device),
+            is_causal=qs.shape[1] == p.context_len,
             scale=scale,
             enable_gqa=True,
         )  # [1, H, Q, R]
         return out[0].transpose(0, 1)
+
+
+def causal_mask(n_q: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """[Q, C] bool for a chunk of the last Q of C positions (query i sits at C - Q + i and
+    sees keys at <= that); None when Q = C (SDPA's own is_causal)."""
+    if n_q == context_len:
+        return None
+    q_pos = torch.arange(context_len - n_q, context_len, device=device)[:, None]
+    return torch.arange(context_len, device=device)[None, :] <= q_pos

@@ -10,7 +10,7 @@ from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo import preset_config
 from ds4pool.model.registry import family_for
-from ds4pool.model.runner import ModelRunner, select_backend
+from ds4pool.model.runner import ModelRunner, SeqInput, select_backend
 from tests.hf_models import tiny_hf_config, tiny_loaded
 
 
@@ -89,3 +89,27 @@ def test_routers_stay_float32_in_a_bf16_model() -> None:
     for mlp in sparse:
         assert mlp.gate.weight.dtype == mlp.gate.e_score_correction_bias.dtype == torch.float32
         assert mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
+def test_long_prompt_chunks_lift_the_latent_and_agree_with_the_absorbed_form() -> None:
+    from ds4pool.kv.blocks import BlockPool
+    from ds4pool.model.mla import MLAAttention
+
+    loaded = tiny_loaded(300, seed=2, arch="deepseek-v3")
+    runner = ModelRunner(loaded, num_blocks=16, block_size=8)
+    attns = [m for m in loaded.model.modules() if isinstance(m, MLAAttention)]
+    # kv_lora_rank 32, dn + dv = 40: chunks of more than 32 * 40 / 24 = 53.3 queries lift
+    assert all(a.lift_min_queries == pytest.approx(53.33, abs=0.01) for a in attns)
+    ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def last_logits() -> torch.Tensor:
+        table = BlockPool(16).allocate(9)
+        out = runner.step([SeqInput(ids, 0, table)], return_logits=True)
+        assert out.logits is not None
+        return out.logits[0]
+
+    lifted = last_logits()
+    for a in attns:
+        a.lift_min_queries = float("inf")  # every chunk absorbed
+    absorbed = last_logits()
+    assert (lifted - absorbed).abs().max().item() < 1e-5
