@@ -1,8 +1,9 @@
-"""The CUDA expert path: torch's grouped GEMM against the per-expert reference loop, captured in a
-CUDA graph, and a whole MoE decode step replayed from a graph against the eager forward.
+"""The CUDA expert paths: torch's grouped GEMM and the Triton kernel against the per-expert
+reference loop, each captured in a CUDA graph, and whole MoE decode steps replayed from graphs
+against the eager forward.
 
-Run on an sm90/sm100 GPU with torch >= 2.10 (bf16 grouped_mm); elsewhere the grouped tests
-skip and only the fallback test runs (MoE models there decode eagerly, without graphs).
+torch's grouped_mm needs an sm90/sm100 GPU and bf16 (its tests skip elsewhere); the Triton
+kernel runs on any CUDA GPU with triton, in every dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo import init_random_
 from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.moe import (
+    SparseMoeBlock,
     grouped_experts,
     grouped_mm_supported,
     looped_experts,
@@ -26,9 +28,14 @@ pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
 
 
-def needs_grouped_mm() -> None:
-    if not grouped_mm_supported(CUDA, torch.bfloat16):
+def needs(gemm: str) -> None:
+    if gemm == "grouped_mm" and not grouped_mm_supported(CUDA, torch.bfloat16):
         pytest.skip("torch has no sync-free bf16 grouped_mm on this GPU (needs sm90/sm100)")
+    if gemm == "triton":
+        pytest.importorskip("triton")
+
+
+GEMMS = ["grouped_mm", "triton"]
 
 
 def moe_inputs(tokens: int, e: int = 16, k: int = 4, h: int = 256, i: int = 128, seed: int = 0):
@@ -44,14 +51,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("tokens", [1, 7, 64, 513])
-def test_grouped_gemm_matches_the_reference_loop(tokens: int) -> None:
-    needs_grouped_mm()
+def test_grouped_gemm_matches_the_reference_loop(tokens: int, gemm: str) -> None:
+    needs(gemm)
     x, w, ids, gate_up, down = moe_inputs(tokens)
     truth = looped_experts(x.double(), w, ids, gate_up.double(), down.double())  # fp64, CPU
     bf = [t.to(CUDA, torch.bfloat16) for t in (x, gate_up, down)]
     w, ids = w.to(CUDA), ids.to(CUDA)
-    grouped = grouped_experts(bf[0], w, ids, bf[1], bf[2])
+    grouped = grouped_experts(bf[0], w, ids, bf[1], bf[2], gemm=gemm)
     looped = looped_experts(bf[0], w, ids, bf[1], bf[2])
     assert grouped.dtype == torch.bfloat16 and grouped.shape == x.shape
     # both in bf16: each within bf16 rounding of the truth, the grouped no worse than the loop
@@ -59,28 +67,30 @@ def test_grouped_gemm_matches_the_reference_loop(tokens: int) -> None:
     assert rel_err(grouped.cpu(), truth) <= 1.25 * rel_err(looped.cpu(), truth) + 1e-3
 
 
-def test_grouped_experts_capture_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize(("gemm", "dtype"), [("grouped_mm", "bfloat16"), ("triton", "float16")])
+def test_grouped_experts_capture_in_a_cuda_graph(gemm: str, dtype: str) -> None:
     """No host sync: the grouped path records into a graph, and replays give what an eager
     call gives for new routing copied into the same buffers."""
-    needs_grouped_mm()
+    needs(gemm)
+    dt = getattr(torch, dtype)
     x, w, ids, gate_up, down = moe_inputs(32)
-    sx, sw, sids = x.to(CUDA, torch.bfloat16), w.to(CUDA), ids.to(CUDA)
-    gu, dn = gate_up.to(CUDA, torch.bfloat16), down.to(CUDA, torch.bfloat16)
+    sx, sw, sids = x.to(CUDA, dt), w.to(CUDA), ids.to(CUDA)
+    gu, dn = gate_up.to(CUDA, dt), down.to(CUDA, dt)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        grouped_experts(sx, sw, sids, gu, dn)  # warm-up outside the capture
+        grouped_experts(sx, sw, sids, gu, dn, gemm=gemm)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = grouped_experts(sx, sw, sids, gu, dn)
+        out = grouped_experts(sx, sw, sids, gu, dn, gemm=gemm)
     for seed in (1, 2, 3):  # other tokens, other experts (some unchosen), same shapes
         x2, w2, ids2, _, _ = moe_inputs(32, seed=seed)
-        sx.copy_(x2.to(CUDA, torch.bfloat16))
+        sx.copy_(x2.to(CUDA, dt))
         sw.copy_(w2.to(CUDA))
         sids.copy_(ids2.to(CUDA))
         graph.replay()
-        want = grouped_experts(sx, sw, sids, gu, dn)
+        want = grouped_experts(sx, sw, sids, gu, dn, gemm=gemm)
         assert torch.equal(out, want)
 
 
@@ -131,9 +141,13 @@ def decode(runner: ModelRunner, prompts: list[list[int]], steps: int):
     return tokens, logits
 
 
-def test_moe_decode_step_replays_from_a_cuda_graph() -> None:
-    needs_grouped_mm()
-    loaded = tiny_moe(torch.bfloat16)
+@pytest.mark.parametrize(("gemm", "dtype"), [("grouped_mm", "bfloat16"), ("triton", "float32")])
+def test_moe_decode_step_replays_from_a_cuda_graph(gemm: str, dtype: str) -> None:
+    needs(gemm)
+    loaded = tiny_moe(getattr(torch, dtype))
+    for m in loaded.model.modules():
+        if isinstance(m, SparseMoeBlock):
+            m.impl = gemm
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (9, 40, 23)]
     graphed = ModelRunner(loaded, num_blocks=64, cuda_graphs=True)
@@ -146,10 +160,13 @@ def test_moe_decode_step_replays_from_a_cuda_graph() -> None:
     assert max(rel_err(g, e) for g, e in zip(g_logits, e_logits)) < 1e-2
 
 
-def test_moe_without_grouped_mm_decodes_eagerly() -> None:
-    """fp32 has no sync-free grouped GEMM in torch: the model says so and the runner does
-    not try to capture (a capture would fail on the loop's host reads)."""
+def test_moe_on_the_reference_loop_decodes_eagerly() -> None:
+    """The loop reads the chosen experts on the host: the model says so and the runner does
+    not try to capture (a capture would fail on those reads)."""
     loaded = tiny_moe(torch.float32)
+    for m in loaded.model.modules():
+        if isinstance(m, SparseMoeBlock):
+            m.impl = "loop"
     runner = ModelRunner(loaded, num_blocks=64, cuda_graphs=True)
     assert runner.graphs is None
     tokens, _ = decode(runner, [[1, 2, 3, 4, 5]], 4)
