@@ -18,7 +18,7 @@ from torch import nn
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from ds4pool.model.moe import SparseMoeBlock, grouped_mm_supported
+from ds4pool.model.moe import SYNC_FREE, SparseMoeBlock, expert_impl
 from ds4pool.model.ops import TorchOps
 
 
@@ -151,11 +151,13 @@ class LlamaForCausalLM(nn.Module):
     @property
     def supports_cuda_graphs(self) -> bool:
         """Whether a decode forward may be captured: dense models always; MoE models where the
-        grouped expert path runs without a host sync (model/moe.py), not the per-expert loop."""
-        if self.config.moe is None:
-            return True
+        experts run on a sync-free grouped path (model/moe.py), not the per-expert loop."""
         weight = self.model.embed_tokens.weight
-        return grouped_mm_supported(weight.device, weight.dtype)
+        return all(
+            expert_impl(weight.device, weight.dtype, m.impl) in SYNC_FREE
+            for m in self.modules()
+            if isinstance(m, SparseMoeBlock)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)

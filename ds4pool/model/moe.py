@@ -9,9 +9,10 @@ the reference implementation of its family computes them. The experts' weights a
 `down [E, H, I]`.
 
 `grouped_experts` is the CUDA path: the R (token, expert) rows are sorted by expert and each
-projection is one grouped GEMM over all experts (`grouped_mm`), so every expert's weights are
-read once per step however many tokens chose it, and an expert no token chose is not read at
-all. It has no host sync (counts, offsets and the permutation stay on the device), so a decode
+projection is one grouped GEMM over all experts (torch's `grouped_mm`, or the Triton kernel
+of model/kernels/triton_moe.py where torch's would sync), so every expert's weights are read
+once per step however many tokens chose it, and an expert no token chose is not read at all.
+It has no host sync (counts, offsets and the permutation stay on the device), so a decode
 step through it can be captured in a CUDA graph. `looped_experts` is the reference and the CPU
 path: one matmul pair per expert that some token chose (it reads which ones on the host).
 Both combine a token's k outputs in its top-k order, in float32, so they agree to rounding.
@@ -19,6 +20,7 @@ Both combine a token's k outputs in its top-k order, in float32, so they agree t
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -148,6 +150,24 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
+# How a SparseMoeBlock computes its experts: "grouped_mm" (torch's, CUTLASS), "triton"
+# (model/kernels/triton_moe.py), "loop" (looped_experts), or "auto": the first of those that
+# is sync-free on the device and dtype, else the loop.
+EXPERT_IMPLS = ("auto", "grouped_mm", "triton", "loop")
+SYNC_FREE = ("grouped_mm", "triton")
+
+
+def expert_impl(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+    assert requested in EXPERT_IMPLS, requested
+    if requested != "auto":
+        return requested
+    if grouped_mm_supported(device, dtype):
+        return "grouped_mm"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "loop"
+
+
 def grouped_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -155,21 +175,29 @@ def grouped_experts(
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
     act: Activation = silu_mul,
+    gemm: str = "grouped_mm",  # or "triton"
 ) -> torch.Tensor:
     """Sorted by expert, one grouped GEMM per projection; no host sync."""
-    mm = grouped_mm_op()
-    assert mm is not None, "grouped_experts needs torch's grouped_mm"
     t, k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)  # [R]
     order = torch.argsort(flat, stable=True)  # [R] rows grouped by expert, in token order
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
     xs = x.index_select(0, order // k)  # [R, H]
-    # weights are [E, N, K] (out, in): their transpose is the column-major [E, K, N] operand
-    h = act(mm(xs, gate_up.transpose(1, 2), offs=offsets))  # [R, I]
-    ys = mm(h, down.transpose(1, 2), offs=offsets)  # [R, H]
+    if gemm == "triton":
+        from ds4pool.model.kernels.triton_moe import grouped_gemm
+
+        h = act(grouped_gemm(xs, gate_up, counts))  # [R, I]
+        ys = grouped_gemm(h, down, counts)  # [R, H]
+    else:
+        assert gemm == "grouped_mm", gemm
+        mm = grouped_mm_op()
+        assert mm is not None, "torch has no grouped_mm"
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each group
+        # weights are [E, N, K] (out, in): their transpose is the column-major [E, K, N] operand
+        h = act(mm(xs, gate_up.transpose(1, 2), offs=offsets))  # [R, I]
+        ys = mm(h, down.transpose(1, 2), offs=offsets)  # [R, H]
     rows = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, slot) order
     return _combine(rows.view(t, k, -1), weights, x.dtype)
 
@@ -181,12 +209,13 @@ def experts_forward(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Activation = silu_mul,
+    impl: str = "auto",
 ) -> torch.Tensor:
-    """The grouped path where torch has a sync-free grouped GEMM for this device and dtype,
-    else the per-expert loop."""
-    if grouped_mm_supported(x.device, x.dtype):
-        return grouped_experts(x, weights, ids, gate_up, down, act)
-    return looped_experts(x, weights, ids, gate_up, down, act)
+    """The experts of every token, by `expert_impl(impl)`."""
+    chosen = expert_impl(x.device, x.dtype, impl)
+    if chosen == "loop":
+        return looped_experts(x, weights, ids, gate_up, down, act)
+    return grouped_experts(x, weights, ids, gate_up, down, act, gemm=chosen)
 
 
 # ---- the layer ----
@@ -241,6 +270,7 @@ class SparseMoeBlock(nn.Module):
         # Called with each forward's expert ids [T, k] when set (benchmarks count the experts
         # a step reads); Python-side, so it sees eager forwards only, not graph replays.
         self.observer: Callable[[torch.Tensor], None] | None = None
+        self.impl = "auto"  # one of EXPERT_IMPLS (benchmarks compare them)
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
@@ -251,9 +281,8 @@ class SparseMoeBlock(nn.Module):
         if self.observer is not None:
             self.observer(ids)
         act = silu_mul if ops is None else ops.silu_mul
-        out = experts_forward(
-            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, act
-        )
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        out = experts_forward(x, weights, ids, gate_up, down, act, self.impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ops)
         return out

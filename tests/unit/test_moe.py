@@ -199,3 +199,19 @@ def test_qwen3_30b_a3b_preset_has_the_published_size() -> None:
     active = total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
     assert round(total / 1e9, 1) == 30.5 and round(active / 1e9, 1) == 3.4  # "30B-A3B"
     assert experts == 48 * 128 * cfg.moe.expert_bytes(2048, 1)
+
+
+def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ds4pool.model.loader import build_empty, load_config, load_weights, weight_files
+    from tests.hf_models import build_hf_model
+
+    build_hf_model("mixtral", tmp_path)
+    cfg = load_config(tmp_path)
+    [f] = weight_files(tmp_path)
+    state = load_file(f)
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]  # one expert's up_proj
+    save_file(state, f)
+    with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.mlp\.experts\.gate_up"):
+        load_weights(build_empty(cfg, torch.device("cpu"), torch.float32), [f], False)
