@@ -23,7 +23,7 @@ from ds4pool.model.config import ModelConfig
 from ds4pool.model.deepseek_v3 import DeepseekV3ForCausalLM
 from ds4pool.model.layers import RotaryEmbedding, rope_inv_freq
 from ds4pool.model.llama import LlamaForCausalLM
-from ds4pool.model.registry import family_for
+from ds4pool.model.registry import SKIP, family_for
 from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.progress import Progress
 
@@ -153,6 +153,8 @@ def load_weights(model: CausalLM, files: list[Path], show_progress: bool) -> Non
                         if name.endswith(IGNORED_SUFFIXES):
                             continue
                         target = map_weight(name, cfg)
+                        if target == SKIP:
+                            continue
                         if target.name not in params:
                             raise ModelLoadError(f"unexpected tensor {name!r} in {f}")
                         tensor = st.get_tensor(name)

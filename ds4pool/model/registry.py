@@ -31,6 +31,9 @@ class WeightTarget:
 
 WeightMapper = Callable[[str, ModelConfig], WeightTarget]
 
+# What a mapper answers for a checkpoint tensor the model does not use (the loader skips it).
+SKIP = WeightTarget("")
+
 
 def same_name(name: str, cfg: ModelConfig) -> WeightTarget:
     return WeightTarget(name)
@@ -62,6 +65,22 @@ def expert_mapper(
     return map_weight
 
 
+def deepseek_v3_mapper() -> WeightMapper:
+    """Experts stacked as Qwen3-MoE's; the layers past num_hidden_layers are skipped: DeepSeek's
+    multi-token-prediction modules (`num_nextn_predict_layers`, layer 61 of DeepSeek-V3),
+    which predict further tokens for speculative decoding and take no part in decoding."""
+    experts = expert_mapper("experts", "gate_proj", "up_proj", "down_proj")
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def map_weight(name: str, cfg: ModelConfig) -> WeightTarget:
+        m = layer.match(name)
+        if m is not None and int(m.group(1)) >= cfg.num_layers:
+            return SKIP
+        return experts(name, cfg)
+
+    return map_weight
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     model_class: Callable[[ModelConfig], nn.Module]  # built on the meta device by the loader
@@ -83,9 +102,7 @@ REGISTRY: dict[str, ModelFamily] = {
     ),
     # Multi-head latent attention (model/mla.py) in every layer, dense MLPs in the first
     # first_k_dense_replace layers, DeepSeek's routed + shared experts in the others.
-    "DeepseekV3ForCausalLM": ModelFamily(
-        DeepseekV3ForCausalLM, expert_mapper("experts", "gate_proj", "up_proj", "down_proj")
-    ),
+    "DeepseekV3ForCausalLM": ModelFamily(DeepseekV3ForCausalLM, deepseek_v3_mapper()),
 }
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,3 +115,28 @@ def test_long_prompt_chunks_lift_the_latent_and_agree_with_the_absorbed_form() -
         a.lift_min_queries = float("inf")  # every chunk absorbed
     absorbed = last_logits()
     assert (lifted - absorbed).abs().max().item() < 1e-5
+
+
+def test_deepseek_checkpoint_with_mtp_layers_loads_without_them(tmp_path: Path) -> None:
+    # DeepSeek-V3 checkpoints carry a multi-token-prediction layer after the decoder
+    # (model.layers.61 of 61 layers): not part of decoding, skipped at load.
+    from safetensors.torch import save_file
+
+    from tests.hf_models import build_hf_model
+    from tests.unit.test_fidelity import load_ours
+
+    hf = build_hf_model("deepseek-v3-plain", tmp_path)  # 2 layers
+    n = hf.config.num_hidden_layers
+    extra = {
+        f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128),
+        f"model.layers.{n}.self_attn.kv_b_proj.weight": torch.zeros(160, 32),
+    }
+    save_file(extra, str(tmp_path / "mtp.safetensors"))
+    ours = load_ours(tmp_path, torch.float32, torch.device("cpu"))
+    assert len(ours.model.model.layers) == n
+    save_file(
+        {"model.layers.0.self_attn.surprise.weight": torch.zeros(2)},
+        str(tmp_path / "x.safetensors"),
+    )
+    with pytest.raises(ModelLoadError, match="unexpected tensor"):
+        load_ours(tmp_path, torch.float32, torch.device("cpu"))
