@@ -94,9 +94,10 @@ def bench_prefill(runner: ModelRunner, prompt_len: int, chunk: int) -> float:
     return sorted(times[1:])[1]
 
 
-def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
-    """Total wall time of `steps` decode steps (after 2 warm-up steps) → tok/s."""
-    pool = BlockPool(runner.num_blocks)
+def prefill_batch(
+    runner: ModelRunner, pool: BlockPool, batch: int, prompt_len: int
+) -> tuple[list[BlockTable], list[int]]:
+    """`batch` random prompts of prompt_len tokens prefilled one by one; (tables, first tokens)."""
     vocab = runner.loaded.config.vocab_size
     gen = torch.Generator().manual_seed(batch)
     tables = [BlockTable(runner.block_size) for _ in range(batch)]
@@ -109,9 +110,22 @@ def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) ->
             done = start + len(part) == prompt_len
             out = runner.step([SeqInput(part, start, table.blocks, sample=done)])
         last.append(out.sampled[0])
-    n = prompt_len
+    return tables, last
+
+
+def decode_steps(
+    runner: ModelRunner,
+    pool: BlockPool,
+    tables: list[BlockTable],
+    last: list[int],
+    start: int,
+    steps: int,
+    warmup: int = 2,
+) -> float:
+    """Wall time of `steps` greedy decode steps of all sequences after `warmup` untimed ones."""
+    n = start
     elapsed = 0.0
-    for i in range(steps + 2):
+    for i in range(steps + warmup):
         for t in tables:
             t.ensure(pool, n + 1)  # the scheduler grows tables the same way
         seqs = [
@@ -120,10 +134,18 @@ def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) ->
         ]
         t0 = time.perf_counter()
         out = runner.step(seqs)  # ends with the readback of the sampled ids: synced
-        if i >= 2:
+        if i >= warmup:
             elapsed += time.perf_counter() - t0
         last = [int(x) for x in out.sampled]  # type: ignore[arg-type]
         n += 1
+    return elapsed
+
+
+def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
+    """`steps` decode steps (after 2 warm-up steps) of `batch` sequences → tok/s."""
+    pool = BlockPool(runner.num_blocks)
+    tables, last = prefill_batch(runner, pool, batch, prompt_len)
+    elapsed = decode_steps(runner, pool, tables, last, prompt_len, steps)
     for t in tables:
         t.release(pool)
     return batch * steps / elapsed
@@ -244,7 +266,7 @@ def hf_config_of(spec: str) -> dict:
     from ds4pool.model.loader import read_json
 
     if spec.startswith("random:"):
-        return dict(demo.DEMO_CONFIG, head_dim=None, **demo.PRESETS[spec.removeprefix("random:")])
+        return demo.preset_hf_config(spec)
     directory = demo.ensure_demo_model() if spec == "demo" else Path(spec).expanduser()
     return read_json(directory / "config.json")
 

@@ -21,8 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="demo",
-        help="'demo' (default), 'random:100m', 'random:llama3-8b', a local HF model dir, "
-        "or 'scripted:RULES.json'",
+        help="'demo' (default), 'random:PRESET' (100m, llama3-8b, qwen3-moe-70m, "
+        "qwen3-30b-a3b), a local HF model dir, or 'scripted:RULES.json'",
     )
     p.add_argument(
         "--tokenizer",

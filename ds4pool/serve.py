@@ -45,8 +45,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g,
         "--model",
         default="demo",
-        help="'demo', 'random:100m', 'random:llama3-8b', a local HF model directory, or "
-        "'scripted:RULES.json' (the scripted test model)",
+        help="'demo', 'random:PRESET' (100m, llama3-8b, qwen3-moe-70m, qwen3-30b-a3b), a local "
+        "HF model directory, or 'scripted:RULES.json' (the scripted test model)",
     )
     _flag(
         g,

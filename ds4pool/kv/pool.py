@@ -51,15 +51,18 @@ from ds4pool.model.loader import LoadedModel
 
 
 def fingerprint_for(loaded: LoadedModel) -> ModelFingerprint:
-    """What a snapshot's KV depends on: architecture, KV shape, dtype and the weights."""
+    """What a snapshot's KV depends on: architecture, KV layout and shape, dtype and the
+    weights."""
     cfg = loaded.config
+    kv_layout, _, heads, dim = cfg.kv_cache
     return ModelFingerprint(
         architecture=cfg.architecture,
         num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
+        num_kv_heads=heads,
+        head_dim=dim,
         dtype=str(loaded.dtype).removeprefix("torch."),
         weights_id=loaded.weights_id,
+        kv_layout=kv_layout,
     )
 
 

@@ -29,6 +29,8 @@ import lz4.frame
 import numpy as np
 import torch
 
+from ds4pool.model.kv_layout import PLANES_OF
+
 MAGIC = b"DS4SNAP\x00"
 FORMAT_VERSION = 1
 # magic, version, reserved (0), header_len, header_crc (of the JSON), prefix_crc (of bytes 0..20).
@@ -62,6 +64,12 @@ class SnapshotError(Exception):
         self.kind = kind
 
 
+# What each token's KV holds per layer, planes of [num_kv_heads, head_dim] (KVLayout's kinds):
+# "kv": K then V of every KV head; "mla": one plane, the compressed latent of multi-head
+# latent attention (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim).
+DEFAULT_KV_LAYOUT = "kv"
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What the KV bytes depend on. Two models with equal digests produce interchangeable KV."""
@@ -72,14 +80,29 @@ class ModelFingerprint:
     head_dim: int
     dtype: str  # KV dtype, a key of DTYPES
     weights_id: str  # hash of the weights, supplied by the model loader
+    kv_layout: str = DEFAULT_KV_LAYOUT  # a key of PLANES_OF
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}; expected one of {list(DTYPES)}")
+        if self.kv_layout not in PLANES_OF:
+            raise ValueError(
+                f"unsupported KV layout {self.kv_layout!r}; expected one of {list(PLANES_OF)}"
+            )
+
+    @property
+    def num_planes(self) -> int:
+        return PLANES_OF[self.kv_layout]
 
     def digest(self) -> str:
-        """sha256 of the canonical JSON of all fields: stable across processes and versions."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical JSON of all fields: stable across processes and versions.
+        `kv_layout` joined the fingerprint after the first snapshots were written: at its
+        default ("kv") it is left out, so those files keep their digest; any other layout is
+        part of it, so a "kv" snapshot and an "mla" one can never match."""
+        doc = asdict(self)
+        if doc["kv_layout"] == DEFAULT_KV_LAYOUT:
+            del doc["kv_layout"]
+        canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     @property
@@ -116,7 +139,7 @@ class SnapshotHeader:
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
         fp = self.fingerprint
-        return (2, self.num_kv_tokens, fp.num_kv_heads, fp.head_dim)
+        return (fp.num_planes, self.num_kv_tokens, fp.num_kv_heads, fp.head_dim)
 
     @property
     def payload_bytes(self) -> int:
@@ -129,7 +152,8 @@ class SnapshotHeader:
 
 @dataclass
 class Snapshot:
-    """One session: exact token ids, the text they stand for, KV per layer [2, T, H, D] on CPU."""
+    """One session: exact token ids, the text they stand for, KV per layer [P, T, H, D] on CPU
+    (P planes: 2 for K/V, 1 for an MLA latent; the fingerprint's kv_layout says which)."""
 
     header: SnapshotHeader
     token_ids: list[int]
@@ -321,6 +345,8 @@ def _read_exact(f: Readable, n: int, what: str) -> Buffer:
 
 # Field name -> runtime type, for strict parsing (annotations are strings here).
 _FINGERPRINT_TYPES = {f.name: int if f.type == "int" else str for f in fields(ModelFingerprint)}
+# Keys a header written before they existed may lack: the default is what those files hold.
+_FINGERPRINT_DEFAULTS = {"kv_layout": DEFAULT_KV_LAYOUT}
 
 
 def _get(doc: dict[str, Any], key: str, kind: type) -> Any:
@@ -341,6 +367,7 @@ def _parse_section(doc: dict[str, Any]) -> Section:
 def _parse_header(body: Buffer) -> SnapshotHeader:
     doc = json.loads(bytes(body))
     fpd = _get(doc, "fingerprint", dict)
+    fpd = {**_FINGERPRINT_DEFAULTS, **fpd}
     fp = ModelFingerprint(**{name: _get(fpd, name, t) for name, t in _FINGERPRINT_TYPES.items()})
     h = SnapshotHeader(
         tenant=_get(doc, "tenant", str),

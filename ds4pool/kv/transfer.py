@@ -1,7 +1,8 @@
 """Copies of one session's KV between the paged device cache and a contiguous host tensor.
 
-Host layout: [L, 2, T, H_kv, D] (layer, K/V, token, head, dim), used tokens only. The
-device layout is KVLayout's (ds4pool/model/kv_layout.py).
+Host layout: [L, P, T, H_kv, D] (layer, plane, token, head, dim), used tokens only. The
+device layout is KVLayout's (ds4pool/model/kv_layout.py); P is its number of planes (2 for
+K/V, 1 for an MLA latent), moved as it is: nothing here depends on what the planes hold.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ def token_slots(blocks: Sequence[int], num_tokens: int, block_size: int) -> list
 def gather_to_host(
     kv_caches: Sequence[torch.Tensor], blocks: Sequence[int], num_tokens: int, block_size: int
 ) -> torch.Tensor:
-    """Device blocks → a new host tensor [L, 2, T, H_kv, D] (pinned on CUDA)."""
+    """Device blocks → a new host tensor [L, P, T, H_kv, D] (pinned on CUDA)."""
     layout = KVLayout.of(kv_caches)
     device = kv_caches[0].device
-    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    shape = (layout.num_layers, layout.num_planes, num_tokens, layout.num_kv_heads, layout.head_dim)
     out = host_buffer(shape, layout.dtype, device)
     if num_tokens == 0:
         return out
@@ -39,7 +40,7 @@ def gather_to_host(
 
 def scatter_from_host(
     kv_caches: Sequence[torch.Tensor],
-    host: torch.Tensor | Sequence[torch.Tensor],  # [L, 2, T, H, D] or L × [2, T', H, D]
+    host: torch.Tensor | Sequence[torch.Tensor],  # [L, P, T, H, D] or L × [P, T', H, D]
     blocks: Sequence[int],
     num_tokens: int,
     block_size: int,

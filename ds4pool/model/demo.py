@@ -27,7 +27,7 @@ from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo_tokenizer import build_demo_tokenizer
 from ds4pool.model.llama import LlamaForCausalLM
-from ds4pool.model.loader import LoadedModel, build_empty, tokenizer_identity
+from ds4pool.model.loader import LoadedModel, build_empty, checkpoint_tensors, tokenizer_identity
 from ds4pool.model.tokenizer import Tokenizer
 
 DEMO_VERSION = 2
@@ -84,6 +84,123 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "rope_theta": 500000.0,
     },
+    # A small Qwen3-MoE (32 experts of width 128, top-4, every layer sparse; 73M parameters,
+    # 29M active per token of which 16M the tied embedding): the CPU check of the MoE bench.
+    "qwen3-moe-70m": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+    },
+    # Shaped like Qwen3-30B-A3B (30.5B parameters, 3.3B active: 48 layers, 128 experts of
+    # width 768, top-8, GQA 32/4 with head_dim 128, q/k norms).
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    # DeepSeek-V3's architecture at CPU size (4 layers, hidden 256, latent 64 + 16, 16 experts
+    # top-4 in 4 groups, 1 shared; 6.7M parameters at the demo vocabulary): the CPU check.
+    "deepseek-v3-tiny": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 1024,  # the demo tokenizer's
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 128,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
+    # DeepSeek-V3's architecture at a size for one H200: multi-head latent attention with V3's
+    # latent (kv_lora_rank 512 + rope 64 per token and layer) and q LoRA, yarn rope (factor
+    # 40 over 4k, 160k context), 1 dense layer then 26 MoE layers of 64 routed experts in 8
+    # groups (top-6 from the best 4 groups, sigmoid router) + 2 shared experts. Parameter
+    # count and KV bytes per token: docs/BENCHMARKS.md (tests/unit/test_presets.py checks).
+    "deepseek-v3-small": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 129280,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 768,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_group": 8,
+        "topk_group": 4,
+        "moe_intermediate_size": 1408,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
 }
 
 
@@ -94,9 +211,15 @@ def default_cache_dir() -> Path:
 
 def init_random_(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
     """Deterministic init, independent of parameter order: each tensor draws from its
-    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std)."""
+    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std),
+    persistent buffers too (DeepSeek's router correction bias: checkpoint tensors that
+    to_empty() left uninitialised)."""
     device = next(model.parameters()).device
-    for name, param in model.named_parameters():
+    tensors = dict(model.named_parameters())
+    for name, buf in checkpoint_tensors(model).items():
+        if name not in tensors and not isinstance(buf, torch.nn.Parameter):
+            tensors[name] = buf
+    for name, param in tensors.items():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith(".bias"):
@@ -146,15 +269,19 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_hf_config(name: str) -> dict[str, Any]:
+    """The config.json fields of `random:<preset>` (the demo's, overridden by the preset's)."""
     preset = name.removeprefix("random:")
     if preset not in PRESETS:
         raise ModelLoadError(
             f"unknown random preset {name!r}; available: "
             + ", ".join(f"random:{p}" for p in PRESETS)
         )
-    hf = dict(DEMO_CONFIG, head_dim=None, **PRESETS[preset])
-    return ModelConfig.from_hf(hf)
+    return {**DEMO_CONFIG, "head_dim": None, **PRESETS[preset]}
+
+
+def preset_config(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(preset_hf_config(name))
 
 
 def load_random_preset(

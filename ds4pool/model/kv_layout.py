@@ -2,17 +2,22 @@
 
 Every layer has one preallocated tensor
 
-    cache [2, num_blocks + 1, block_size, H_kv, D]     # K = cache[0], V = cache[1]
+    cache [P, num_blocks + 1, block_size, H_kv, D]
+
+with P planes per token: P = 2 for the per-head K/V of attention with KV heads
+(K = cache[0], V = cache[1]; kind "kv"), P = 1 for multi-head latent attention (kind "mla":
+the one plane holds each token's compressed latent, kv_lora_rank + qk_rope_head_dim values
+as a single "head", H_kv = 1; see ds4pool/model/mla.py).
 
 Token p of a sequence lives in block `block_table[p // block_size]` at offset
 `p % block_size`, i.e. at flat slot `block * block_size + p % block_size` of the
-[2, (num_blocks + 1) * block_size, H_kv, D] token view. Block ids [0, num_blocks) belong to
+[P, (num_blocks + 1) * block_size, H_kv, D] token view. Block ids [0, num_blocks) belong to
 the block pool; the extra last block is scratch: padded rows of a CUDA-graph batch write
 their (ignored) K/V there, so they never touch a session's blocks.
 
 The runner, the attention backends, kv/transfer and the session pool ask this class for
-views instead of assuming the shape. A model with another cache (e.g. a latent one) brings
-its own layout with the same methods.
+views instead of assuming the shape; kv/transfer and the snapshot format move the P planes of
+a token as they are, whatever the kind.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+# Planes per token of each layout kind, and back.
+PLANES_OF: dict[str, int] = {"kv": 2, "mla": 1}
+KIND_OF: dict[int, str] = {p: k for k, p in PLANES_OF.items()}
 
 
 @dataclass(frozen=True)
@@ -31,10 +40,25 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    num_planes: int = 2  # 2: K and V ("kv"); 1: the latent of MLA ("mla")
+
+    def __post_init__(self) -> None:
+        assert self.num_planes in PLANES_OF.values(), self.num_planes
+
+    @property
+    def kind(self) -> str:
+        """What the planes hold, "kv" or "mla" (recorded in snapshot fingerprints)."""
+        return KIND_OF[self.num_planes]
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int, int]:
-        return (2, self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
+        return (
+            self.num_planes,
+            self.num_blocks + 1,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def scratch_slot(self) -> int:
@@ -43,9 +67,9 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
+        """Every plane of one token over all layers."""
         item = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+        return self.num_planes * self.num_layers * self.num_kv_heads * self.head_dim * item
 
     def allocate(self, device: torch.device) -> list[torch.Tensor]:
         # Zero-filled, not empty: padded reads of unused slots are masked, and 0 * NaN from
@@ -60,20 +84,20 @@ class KVLayout:
         return cache[0]
 
     @staticmethod
-    def values(cache: torch.Tensor) -> torch.Tensor:  # [N + 1, bs, H_kv, D]
+    def values(cache: torch.Tensor) -> torch.Tensor:  # [N + 1, bs, H_kv, D] ("kv" only)
         return cache[1]
 
     @staticmethod
-    def token_view(cache: torch.Tensor) -> torch.Tensor:  # [2, (N + 1) * bs, H_kv, D]
-        _, _, _, h_kv, d = cache.shape
-        return cache.view(2, -1, h_kv, d)
+    def token_view(cache: torch.Tensor) -> torch.Tensor:  # [P, (N + 1) * bs, H_kv, D]
+        p, _, _, h_kv, d = cache.shape
+        return cache.view(p, -1, h_kv, d)
 
     @staticmethod
     def of(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
         """The layout of existing tensors."""
         first = kv_caches[0]
-        _, n, bs, h_kv, d = first.shape
-        return KVLayout(len(kv_caches), n - 1, bs, h_kv, d, first.dtype)
+        p, n, bs, h_kv, d = first.shape
+        return KVLayout(len(kv_caches), n - 1, bs, h_kv, d, first.dtype, p)
 
     def slots(self, blocks: Sequence[int], start: int, end: int) -> list[int]:
         """Flat slots of token positions [start, end) of a sequence with these blocks."""

@@ -1,8 +1,11 @@
-"""The decoder-only Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder-only Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache, and
+its mixture-of-experts variants (Qwen3-MoE, Mixtral): the same attention, with a
+`SparseMoeBlock` (model/moe.py) as the MLP of the layers `cfg.moe.sparse_layers` names.
 
 Parameter names are Hugging Face's, so loading a checkpoint is a plain name → tensor
-mapping. Shapes: T = tokens in the step (all sequences flattened), H = query heads,
-H_kv = key/value heads, D = head_dim, E = hidden size, V = vocab.
+mapping (stacked experts: see model/registry.py). Shapes: T = tokens in the step (all
+sequences flattened), H = query heads, H_kv = key/value heads, D = head_dim, E = hidden size,
+V = vocab.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
+from ds4pool.model.moe import SYNC_FREE, SparseMoeBlock, expert_impl
 from ds4pool.model.ops import TorchOps
 
 
@@ -72,10 +76,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -101,7 +109,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, i) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
@@ -137,6 +147,17 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache, next_norm in zip(layers, kv_caches, norms):
             h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
         return h
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a decode forward may be captured: dense models always; MoE models where the
+        experts run on a sync-free grouped path (model/moe.py), not the per-expert loop."""
+        weight = self.model.embed_tokens.weight
+        return all(
+            expert_impl(weight.device, weight.dtype, m.impl) in SYNC_FREE
+            for m in self.modules()
+            if isinstance(m, SparseMoeBlock)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)

@@ -20,13 +20,18 @@ from safetensors import SafetensorError, safe_open
 
 from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ModelConfig
+from ds4pool.model.deepseek_v3 import DeepseekV3ForCausalLM
 from ds4pool.model.layers import RotaryEmbedding, rope_inv_freq
 from ds4pool.model.llama import LlamaForCausalLM
+from ds4pool.model.registry import SKIP, family_for
 from ds4pool.model.tokenizer import Tokenizer
 from ds4pool.progress import Progress
 
 if TYPE_CHECKING:
     from ds4pool.model.scripted import ScriptedForCausalLM
+
+# The decoder classes of the registry's families (model/registry.py).
+CausalLM = LlamaForCausalLM | DeepseekV3ForCausalLM
 
 # Checkpoint tensors the model does not need (precomputed RoPE tables in old exports).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -34,7 +39,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM | ScriptedForCausalLM
+    model: CausalLM | ScriptedForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     name: str  # what the user passed to --model
@@ -99,28 +104,46 @@ def weights_identity(files: list[Path]) -> str:
     return h.hexdigest()[:32]
 
 
-def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """Allocate the model on `device` in `dtype` without initialising (no fp32 detour)."""
+def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Allocate the registry's model for `cfg.architecture` on `device` in `dtype` without
+    initialising (no fp32 detour)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype).to_empty(device=device)
+        model = family_for(cfg.architecture).model_class(cfg)
+    assert isinstance(model, (LlamaForCausalLM, DeepseekV3ForCausalLM))
+    model = model.to(dtype)
+    for module in getattr(model, "float32_modules", list)():
+        module.float()  # a family's modules that stay float32 (DeepSeek's routers)
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     reset_buffers(model, device)
     return model.eval().requires_grad_(False)
 
 
-def reset_buffers(model: LlamaForCausalLM, device: torch.device) -> None:
+def reset_buffers(model: CausalLM, device: torch.device) -> None:
     # Non-persistent buffers are not in checkpoints; recompute them in float32 on device.
-    cfg = model.config
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            module.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+            module.inv_freq = rope_inv_freq(module.dim, module.rope).to(device)
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], show_progress: bool) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: parameters (tied ones under each name) and persistent buffers."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    for mod_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                tensors[f"{mod_name}.{name}" if mod_name else name] = buf
+    return tensors
+
+
+def load_weights(model: CausalLM, files: list[Path], show_progress: bool) -> None:
+    """Copy each checkpoint tensor where the family's mapping puts it (model/registry.py);
+    every parameter must be covered, element for element."""
+    cfg = model.config
+    map_weight = family_for(cfg.architecture).map_weight
+    params = checkpoint_tensors(model)
+    written: dict[str, int] = dict.fromkeys(params, 0)  # elements copied into each
     total = sum(f.stat().st_size for f in files)
     with Progress("loading weights", total, enabled=show_progress) as bar:
         for f in files:
@@ -129,23 +152,27 @@ def load_weights(model: LlamaForCausalLM, files: list[Path], show_progress: bool
                     for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                         if name.endswith(IGNORED_SUFFIXES):
                             continue
-                        if name not in params:
+                        target = map_weight(name, cfg)
+                        if target == SKIP:
+                            continue
+                        if target.name not in params:
                             raise ModelLoadError(f"unexpected tensor {name!r} in {f}")
                         tensor = st.get_tensor(name)
-                        target = params[name]
-                        if tuple(tensor.shape) != tuple(target.shape):
+                        dst = params[target.name].data
+                        dst = dst[target.index] if target.index else dst
+                        if tuple(tensor.shape) != tuple(dst.shape):
                             raise ModelLoadError(
                                 f"tensor {name!r} in {f} has shape {tuple(tensor.shape)}, "
-                                f"config implies {tuple(target.shape)}"
+                                f"config implies {tuple(dst.shape)}"
                             )
-                        target.data.copy_(tensor)
-                        loaded.add(name)
+                        dst.copy_(tensor)
+                        written[target.name] += dst.numel()
                         bar.advance(tensor.numel() * tensor.element_size())
             except (SafetensorError, OSError, RuntimeError) as exc:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise ModelLoadError(f"corrupt safetensors file {f}: {first}") from None
-    missing = set(params) - loaded
-    if model.config.tie_word_embeddings:
+    missing = {n for n, t in params.items() if written[n] != t.numel()}
+    if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         shown = ", ".join(sorted(missing)[:3])

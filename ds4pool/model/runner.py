@@ -23,6 +23,7 @@ import torch
 
 from ds4pool.errors import ContextLengthError
 from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
+from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
 from ds4pool.model.cuda_graphs import StepGraphs, default_buckets
 from ds4pool.model.grammar import apply_token_bitmask
@@ -67,8 +68,18 @@ class StepOutput:
     logits: torch.Tensor | None = None  # [num_sampled, V] float32, when asked for
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """ "auto": Triton on CUDA where triton imports, else the torch reference."""
+def select_backend(
+    name: str, device: torch.device, kv_kind: str = "kv"
+) -> AttentionBackend | MLABackend:
+    """ "auto": Triton on CUDA where triton imports, else the torch reference. Latent
+    attention (kv_kind "mla") has only the torch reference so far."""
+    if kv_kind == "mla":
+        if name not in ("auto", "torch"):
+            raise ValueError(
+                f"the {name!r} attention backend has no multi-head latent attention kernel; "
+                "use auto or torch"
+            )
+        return TorchMLAAttention()
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() else "torch"
     if name == "triton":
@@ -99,11 +110,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = cfg.max_position
+        kv_kind, planes, heads, dim = cfg.kv_cache
         self.layout = KVLayout(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+            cfg.num_layers, num_blocks, block_size, heads, dim, loaded.dtype, planes
         )
         self.kv_caches = self.layout.allocate(self.device)
-        self.backend = select_backend(backend, self.device)
+        self.backend = select_backend(backend, self.device, kv_kind)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
             set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())

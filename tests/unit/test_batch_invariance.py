@@ -1,4 +1,6 @@
-"""One ragged batch must give each sequence the same result as running it alone."""
+"""One ragged batch must give each sequence the same result as running it alone (dense,
+mixture-of-experts and latent-attention models: a token's experts depend on it alone, not on
+its batch)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from tests.hf_models import tiny_runner
 BLOCK = 8
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    return tiny_runner(300, seed=3, block_size=BLOCK)
+@pytest.fixture(scope="module", params=["llama", "qwen3-moe", "deepseek-v3"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    return tiny_runner(300, seed=3, block_size=BLOCK, arch=request.param)
 
 
 def ids(n: int, seed: int) -> list[int]:

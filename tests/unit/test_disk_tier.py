@@ -41,7 +41,9 @@ def snap(
     """A snapshot whose every token id and KV value is `version`, so a read tells which one."""
     kv = [
         torch.full(
-            (2, num_tokens, fp.num_kv_heads, fp.head_dim), float(version), dtype=fp.torch_dtype
+            (fp.num_planes, num_tokens, fp.num_kv_heads, fp.head_dim),
+            float(version),
+            dtype=fp.torch_dtype,
         )
         for _ in range(fp.num_layers)
     ]
@@ -215,6 +217,20 @@ def test_foreign_fingerprint_is_quarantined_at_start(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             t.write(snap())  # a snapshot of another model is a caller bug
     assert len(list((tmp_path / "quarantine").iterdir())) == 6
+
+
+def test_mla_snapshots_survive_a_restart_and_a_gqa_tier_quarantines_them(tmp_path: Path) -> None:
+    mla = ModelFingerprint("DeepseekV3ForCausalLM", 2, 1, 24, "bfloat16", "sha256:abc", "mla")
+    written = snap("s", 3, fp=mla)
+    with tier(tmp_path, fp=mla) as t:
+        t.write(written)
+    with tier(tmp_path, fp=mla) as t:  # a restart: the index is rebuilt from the headers
+        assert t.keys() == [("acme", "s")]
+        assert same(t.read("acme", "s"), written)
+    errors = Errors()
+    gqa = ModelFingerprint("DeepseekV3ForCausalLM", 2, 1, 24, "bfloat16", "sha256:abc", "kv")
+    with tier(tmp_path, fp=gqa, errors=errors) as t:
+        assert errors == ["fingerprint"] and t.keys() == []
 
 
 def test_index_is_rebuilt_from_headers_in_lru_order(tmp_path: Path) -> None:

@@ -13,9 +13,11 @@ from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv import disk as disk_module
 from ds4pool.kv.pool import PoolObserver, SessionPool
 from ds4pool.kv.session import InvalidSessionIdError, SessionBusyError
+from ds4pool.kv.transfer import gather_to_host
 from ds4pool.model.device import select_device
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
+from tests.hf_models import tiny_loaded
 from tests.pool_helpers import make_pool, turn
 
 BLOCK = 16
@@ -29,6 +31,17 @@ def loaded(demo_dir: Path) -> LoadedModel:
 @pytest.fixture
 def runner(loaded: LoadedModel) -> ModelRunner:
     return ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def mla_loaded() -> LoadedModel:
+    """A tiny DeepSeek-V3: its cache is one latent plane per token ("mla" layout)."""
+    return tiny_loaded(1024, seed=5, arch="deepseek-v3")
+
+
+@pytest.fixture(params=["demo", "mla"])
+def any_loaded(request: pytest.FixtureRequest, loaded: LoadedModel) -> LoadedModel:
+    return loaded if request.param == "demo" else request.getfixturevalue("mla_loaded")
 
 
 def ids(n: int, seed: int, vocab: int = 1000) -> list[int]:
@@ -63,8 +76,10 @@ def two_turns(pool: SessionPool, runner: ModelRunner, evict: str | None, key: st
 
 
 def test_evicted_sessions_give_bitwise_identical_logits(
-    loaded: LoadedModel, runner: ModelRunner, tmp_path: Path
+    any_loaded: LoadedModel, tmp_path: Path
 ) -> None:
+    loaded = any_loaded
+    runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
     never = two_turns(make_pool(loaded, runner), runner, None)
     assert never.num_reused == 45 and never.num_computed == 20
     for tier in ("ram", "disk"):
@@ -75,6 +90,54 @@ def test_evicted_sessions_give_bitwise_identical_logits(
         assert torch.equal(got.logits, never.logits), tier
         pool.check_integrity()
         pool.close()
+
+
+def test_kv_round_trips_the_tiers_bitwise(any_loaded: LoadedModel, tmp_path: Path) -> None:
+    # device → RAM → device → disk → device → (restart) disk → device: the same bytes
+    r = ModelRunner(any_loaded, num_blocks=64, block_size=BLOCK)
+    pool = make_pool(any_loaded, r, tmp_path)
+
+    def restored_kv(pool: SessionPool, r: ModelRunner) -> torch.Tensor:
+        """The session back on the device, read out as [L, P, T, H, D]: P = 2 (K and V) or
+        1 (the MLA latent)."""
+        s = pool.acquire("t", "a")
+        pool.restore(s)
+        assert s.block_table is not None
+        kv = gather_to_host(r.kv_caches, s.block_table.blocks, s.num_computed, BLOCK)
+        pool.release(s)
+        return kv.view(torch.uint8)
+
+    s = pool.acquire("t", "a")
+    turn(pool, r, s, prompt_ids=ids(45, 1))
+    pool.release(s)
+    want = restored_kv(pool, r)
+    assert want.shape[1] == (1 if any_loaded.config.mla else 2)
+    for tier in ("ram", "disk"):
+        pool.evict("t", "a", tier)
+        assert torch.equal(restored_kv(pool, r), want), tier
+    pool.close()
+    r = ModelRunner(any_loaded, num_blocks=64, block_size=BLOCK)  # a new process, in effect
+    pool = make_pool(any_loaded, r, tmp_path)
+    assert torch.equal(restored_kv(pool, r), want), "restart"
+    pool.check_integrity()
+    pool.close()
+
+
+def test_gqa_snapshots_do_not_load_into_an_mla_model(
+    loaded: LoadedModel, mla_loaded: LoadedModel, tmp_path: Path
+) -> None:
+    for written, running in ((loaded, mla_loaded), (mla_loaded, loaded)):
+        d = tmp_path / written.config.architecture
+        r = ModelRunner(written, num_blocks=64, block_size=BLOCK)
+        pool = make_pool(written, r, d)
+        s = pool.acquire("t", "a")
+        turn(pool, r, s, prompt_ids=ids(45, 1))
+        pool.release(s)
+        pool.close()
+        rec = Recorder()
+        other = make_pool(running, ModelRunner(running, num_blocks=64, block_size=BLOCK), d, rec)
+        assert other.get("t", "a") is None and rec.errors == ["fingerprint"]
+        other.close()
 
 
 def test_session_survives_a_restart(loaded: LoadedModel, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import struct
 import zlib
 from typing import Any
@@ -34,8 +35,8 @@ def fingerprint(dtype: str = "bfloat16", num_layers: int = 3) -> ModelFingerprin
 def random_bits_kv(fp: ModelFingerprint, num_tokens: int, seed: int = 0) -> list[torch.Tensor]:
     """Every bit pattern is fair game (NaNs with payloads, -0.0, inf, subnormals)."""
     g = torch.Generator().manual_seed(seed)
-    shape = (2, num_tokens, fp.num_kv_heads, fp.head_dim)
-    nbytes = fp.torch_dtype.itemsize * 2 * num_tokens * fp.num_kv_heads * fp.head_dim
+    shape = (fp.num_planes, num_tokens, fp.num_kv_heads, fp.head_dim)
+    nbytes = fp.torch_dtype.itemsize * fp.num_planes * num_tokens * fp.num_kv_heads * fp.head_dim
     return [
         torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
         .view(fp.torch_dtype)
@@ -146,9 +147,50 @@ def test_fingerprint_digest_is_stable() -> None:
         ("head_dim", 128),
         ("dtype", "float16"),
         ("weights_id", "abd"),
+        ("kv_layout", "mla"),
     ]
     digests = {dataclasses.replace(fp, **{f: v}).digest() for f, v in changes}
-    assert len(digests | {fp.digest()}) == 7
+    assert len(digests | {fp.digest()}) == 8
+
+
+def mla_fingerprint(dtype: str = "bfloat16") -> ModelFingerprint:
+    # DeepSeek-V3's latent: kv_lora_rank 512 + qk_rope_head_dim 64, here 16 + 8
+    return ModelFingerprint("DeepseekV3ForCausalLM", 3, 1, 24, dtype, "sha256:abc123", "mla")
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_mla_latent_round_trips_bitwise(shuffle: bool) -> None:
+    fp = mla_fingerprint()
+    s = make(fp, num_tokens=9)
+    assert s.kv[0].shape == (1, 9, 1, 24)  # one plane: the latent, no K/V pair
+    got = decode_snapshot(encode_snapshot(s, shuffle=shuffle), fp)
+    assert got.header.kv_shape == (1, 9, 1, 24)
+    for a, b in zip(got.kv, s.kv):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_kv_and_mla_snapshots_never_load_into_each_other() -> None:
+    mla = mla_fingerprint()
+    # same counts on both sides, only the layout differs
+    kv = dataclasses.replace(mla, kv_layout="kv")
+    for written, running in ((kv, mla), (mla, kv)):
+        with pytest.raises(SnapshotError) as e:
+            decode_snapshot(encode_snapshot(make(written)), running)
+        assert e.value.kind == "fingerprint"
+
+
+def test_header_without_kv_layout_reads_as_kv() -> None:
+    # Files written before the fingerprint had kv_layout: their header lacks the key.
+    fp = fingerprint()
+    data = encode_snapshot(make(fp))
+    header_len = struct.unpack_from("<I", data, 12)[0]
+    doc = json.loads(data[PREFIX_SIZE : PREFIX_SIZE + header_len])
+    del doc["fingerprint"]["kv_layout"]
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    prefix = struct.pack("<8sHHII", MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body))
+    old = prefix + struct.pack("<I", zlib.crc32(prefix)) + body + data[PREFIX_SIZE + header_len :]
+    got = decode_snapshot(old, fp)
+    assert got.header.fingerprint == fp and got.header.fingerprint.kv_layout == "kv"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,198 @@
+"""Mixture-of-experts decode: tok/s and the expert weight bytes a step actually reads, by batch.
+
+    python3 bench/moe.py --model random:qwen3-moe-70m --batch 1 8 32 64      # CPU check
+    python3 bench/moe.py --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 \\
+        --batch 1 8 32 64
+
+A decode step reads every non-expert weight once (attention, norms, routers, LM head) and,
+in each sparse layer, each expert that at least one sequence of the batch chose, once: the
+grouped expert path (model/moe.py) runs one GEMM per projection over all experts, so a
+batch of B sequences reads D(B) distinct experts per layer, not B * k. This script measures
+both halves:
+
+- tok/s: B prompts of --prompt-len tokens prefilled (untimed), then --steps decode steps of
+  all B timed as the server runs them (bench/decode.py's loop: persistent input batch, CUDA
+  graphs where the model can capture them);
+- D(B): the same prefill and steps again, eagerly, with an observer on every MoE block that
+  counts the distinct experts of each forward (the observer syncs, so it is not timed).
+
+Bytes per step = non-expert weights + D(B) x layers x one expert's bytes; the roofline is
+that over the measured device copy bandwidth (and with the KV read of the step added:
+B x the mean context x KV bytes per token). Random routers spread tokens nearly uniformly,
+the worst case for grouping; a trained model's routing is more skewed, so fewer distinct
+experts per batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import bench_batch, copy_bandwidth, decode_steps, prefill_batch  # noqa: E402
+from ds4pool.kv.blocks import BlockPool  # noqa: E402
+from ds4pool.machine import cpu_name  # noqa: E402
+from ds4pool.model.device import select_device, select_dtype  # noqa: E402
+from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
+from ds4pool.model.moe import EXPERT_IMPLS, SparseMoeBlock, expert_impl  # noqa: E402
+from ds4pool.model.runner import ModelRunner  # noqa: E402
+
+
+@dataclass
+class ExpertHits:
+    """Distinct experts per MoE-block forward, summed over the forwards it saw."""
+
+    distinct: int = 0
+    forwards: int = 0
+
+    def __call__(self, ids: torch.Tensor) -> None:  # [T, k]
+        self.distinct += int(torch.unique(ids).numel())
+        self.forwards += 1
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    dense: int  # non-expert weights a decode step reads
+    expert: int  # one expert (gate, up, down)
+    sparse_layers: int
+
+    def per_step(self, distinct_per_layer: float) -> float:
+        return self.dense + distinct_per_layer * self.sparse_layers * self.expert
+
+
+def weight_bytes(loaded: LoadedModel) -> WeightBytes:
+    cfg = loaded.config
+    assert cfg.moe is not None, f"{loaded.name} is not a mixture-of-experts model"
+    model = loaded.model
+    dense = sum(p.nbytes for n, p in model.named_parameters() if ".experts." not in n)
+    if not cfg.tie_word_embeddings:  # B rows of the embedding table, not all of it
+        dense -= model.model.embed_tokens.weight.nbytes
+    return WeightBytes(
+        dense=dense,
+        expert=cfg.moe.expert_bytes(cfg.hidden_size, loaded.dtype.itemsize),
+        sparse_layers=len(cfg.moe.sparse_layers),
+    )
+
+
+def count_expert_hits(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
+    """Mean distinct experts per sparse layer per decode step over the decode steps that
+    bench_batch times (same prompts, same greedy tokens), run eagerly."""
+    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    pool = BlockPool(runner.num_blocks)
+    tables, last = prefill_batch(runner, pool, batch, prompt_len)
+    hits = ExpertHits()
+    for b in blocks:
+        b.observer = hits
+    try:
+        # bench_batch's two warm-up steps, then its timed ones: count exactly those
+        decode_steps(runner, pool, tables, last, prompt_len, 2, warmup=0)
+        hits.distinct = hits.forwards = 0
+        decode_steps(runner, pool, tables, last, prompt_len + 2, steps, warmup=0)
+    finally:
+        for b in blocks:
+            b.observer = None
+    for t in tables:
+        t.release(pool)
+    return hits.distinct / hits.forwards
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="random:qwen3-moe-70m")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--backend", default="auto", help="attention backend: auto, torch, triton")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument(
+        "--experts",
+        default="auto",
+        choices=EXPERT_IMPLS,
+        help="expert compute: torch grouped_mm, the Triton kernel, the per-expert loop",
+    )
+    args = ap.parse_args()
+
+    device = select_device(args.device)
+    dtype = select_dtype(args.dtype, device)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, device, dtype)
+    load_s = time.perf_counter() - t0
+    cfg = loaded.config
+    for m in loaded.model.modules():
+        if isinstance(m, SparseMoeBlock):
+            m.impl = args.experts
+    impl = expert_impl(device, dtype, args.experts)
+    wb = weight_bytes(loaded)
+    assert cfg.moe is not None
+    bs = 16
+    num_blocks = -(-(args.prompt_len + args.steps + 3) // bs) * max(args.batch) + 1
+    common = {"num_blocks": num_blocks, "block_size": bs, "backend": args.backend}
+    max_batch = max(64, max(args.batch))
+    runner = ModelRunner(
+        loaded, **common, cuda_graphs=not args.no_cuda_graphs, max_decode_batch=max_batch
+    )
+    counter = ModelRunner(loaded, **common, cuda_graphs=False, max_decode_batch=max_batch)
+    bandwidth = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    total = sum(p.nbytes for p in loaded.model.parameters())
+    moe = cfg.moe
+    print(
+        f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
+        f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
+        f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
+        f"per step; experts {impl}, attention {runner.backend.name}, CUDA graphs "
+        f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
+    )
+    print(
+        f"# prompt {args.prompt_len} tokens, {args.steps} decode steps timed after 2 warm-up; "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    kv_per_token = cfg.kv_bytes_per_token(dtype.itemsize)
+    mean_ctx = args.prompt_len + 2 + args.steps / 2
+    rows = []
+    for b in args.batch:
+        tps = bench_batch(runner, b, args.prompt_len, args.steps)
+        distinct = count_expert_hits(counter, b, args.prompt_len, args.steps)
+        rows.append((b, tps, distinct))
+        print(f"# batch {b}: {tps:.1f} tok/s, {distinct:.1f} distinct experts/layer", flush=True)
+    print(
+        "| batch | tok/s | ms/step | experts read / layer / step | expert MB / token "
+        "| weight MB / token | weight-roofline tok/s | % of it | % of weight+KV roofline |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    per_token = {}
+    for b, tps, distinct in rows:
+        step_bytes = wb.per_step(distinct)
+        expert_token = distinct * wb.sparse_layers * wb.expert / b
+        per_token[b] = (expert_token, step_bytes / b)
+        roof = b * bandwidth / step_bytes
+        roof_kv = b * bandwidth / (step_bytes + b * mean_ctx * kv_per_token)
+        print(
+            f"| {b} | {tps:.1f} | {b / tps * 1e3:.2f} | {distinct:.1f} of {moe.num_experts} "
+            f"| {expert_token / 1e6:.1f} | {step_bytes / b / 1e6:.1f} | {roof:.0f} "
+            f"| {100 * tps / roof:.0f}% | {100 * tps / roof_kv:.0f}% |",
+            flush=True,
+        )
+    first, last = min(per_token), max(per_token)
+    if first != last:
+        e = per_token[last][0] / per_token[first][0]
+        w = per_token[last][1] / per_token[first][1]
+        print(
+            f"\nper token at batch {last} vs batch {first}: expert bytes x{e:.3f} (1/{1 / e:.1f}), "
+            f"all weight bytes x{w:.3f} (1/{1 / w:.1f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) over a paged latent KV cache.
+
+Multi-head latent attention in every layer (ds4pool/model/mla.py); the first
+`first_k_dense_replace` layers have a dense gated MLP, the others a mixture of experts with
+DeepSeek's router and shared experts. Parameter names are Hugging Face's. The runner's
+contract is the Llama family's: forward(input_ids, kv_caches, meta) → hidden [T, E],
+compute_logits on the rows that need them. Shapes: T = tokens in the step, E = hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds4pool.model.attention import AttentionMetadata
+from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
+from ds4pool.model.config import ModelConfig
+from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from ds4pool.model.mla import MLAAttention
+from ds4pool.model.moe import SparseMoeBlock
+from ds4pool.model.ops import TorchOps
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: MLABackend, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(cfg, backend)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size)  # DeepSeek router + shared
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, E] input_layernorm(residual), done by the caller
+        residual: torch.Tensor,  # [T, E] the stream before this layer
+        next_norm: RMSNorm,  # the next layer's input norm, or the final norm
+        rope: Any,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next_norm(residual'), residual'), as LlamaDecoderLayer."""
+        a = self.self_attn(h, rope, cache, meta, ops)
+        residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
+        residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        return h, residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: MLABackend) -> None:
+        super().__init__()
+        assert cfg.mla is not None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.rope)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """One forward per step over a ragged batch; returns hidden states [T, E]."""
+
+    # The reference MLA backend has no graph-safe kernel yet: decode steps run eagerly.
+    supports_cuda_graphs = False
+
+    def __init__(self, cfg: ModelConfig, backend: MLABackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops: TorchOps = TorchOps()
+        self.model = DeepseekV3Model(cfg, backend or TorchMLAAttention())
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [1, N + 1, block_size, 1, R + r]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        ops, layers = self.ops, self.model.layers
+        residual = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(meta.positions, residual.dtype)  # cos, sin [T, 1, r]
+        h = ops.rms_norm(layers[0].input_layernorm, residual)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, cache, next_norm in zip(layers, kv_caches, norms):
+            h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
+        return h
+
+    def float32_modules(self) -> list[nn.Module]:
+        """Modules kept in float32 whatever the model dtype, as transformers keeps them
+        (`_keep_in_fp32_modules_strict`): the routers' weight and e_score_correction_bias,
+        whose rounding to bf16 would change which experts a token picks."""
+        return [
+            layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)
+        ]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
+        return self.lm_head(hidden)
+
+    def set_attention_backend(self, backend: MLABackend, ops: TorchOps) -> None:
+        self.ops = ops
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def fuse_projections(self) -> None:
+        """After loading: gate/up → gate_up_proj in the dense MLPs and shared experts."""
+        for layer in self.model.layers:
+            layer.mlp.fuse()

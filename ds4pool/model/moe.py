@@ -1,0 +1,288 @@
+"""Mixture-of-experts: routers and the expert-grouped compute, as plain functions.
+
+Shapes: T = tokens in the step (the whole ragged batch), H = hidden size, E = experts,
+k = experts per token, I = one expert's intermediate size, R = T * k routed rows.
+
+A router maps expert logits [T, E] to (weights [T, k] float32, ids [T, k] int64), exactly as
+the reference implementation of its family computes them. The experts' weights are stacked:
+`gate_up [E, 2I, H]` (gate rows first, then up, as transformers 5 holds them) and
+`down [E, H, I]`.
+
+`grouped_experts` is the CUDA path: the R (token, expert) rows are sorted by expert and each
+projection is one grouped GEMM over all experts (torch's `grouped_mm`, or the Triton kernel
+of model/kernels/triton_moe.py where torch's would sync), so every expert's weights are read
+once per step however many tokens chose it, and an expert no token chose is not read at all.
+It has no host sync (counts, offsets and the permutation stay on the device), so a decode
+step through it can be captured in a CUDA graph. `looped_experts` is the reference and the CPU
+path: one matmul pair per expert that some token chose (it reads which ones on the host).
+Both combine a token's k outputs in its top-k order, in float32, so they agree to rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ds4pool.model.config import MoEConfig
+from ds4pool.model.layers import GatedMLP
+
+Activation = Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] gate|up → [R, I]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- routers: logits [T, E] → (weights [T, k] float32, ids [T, k] int64) ----
+
+
+def route_softmax_topk(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: softmax over all experts in float32, top-k, renormalised if asked."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral: the top-k logits, softmax over those k (= softmax over all, renormalised)."""
+    top, ids = torch.topk(logits.float(), top_k, dim=-1)
+    return torch.softmax(top, dim=-1), ids
+
+
+def route_sigmoid_group_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor | None,  # [E] e_score_correction_bias
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: sigmoid scores; the bias-corrected scores choose, group-limited (each group
+    ranked by the sum of its two best experts, a token picks among the best topk_group groups);
+    the weights are the uncorrected scores of the chosen experts, renormalised if asked, times
+    routed_scaling_factor."""
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    t, e = choice.shape
+    if n_group > 1:
+        grouped = choice.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_ids = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def route(
+    moe: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router `moe.router` names, with its parameters from the config."""
+    if moe.router == "softmax_topk":
+        return route_softmax_topk(logits, moe.top_k, moe.norm_topk_prob)
+    if moe.router == "topk_softmax":
+        return route_topk_softmax(logits, moe.top_k)
+    assert moe.router == "sigmoid_group_topk", moe.router
+    return route_sigmoid_group_topk(
+        logits,
+        moe.top_k,
+        correction_bias,
+        moe.n_group,
+        moe.topk_group,
+        moe.norm_topk_prob,
+        moe.routed_scaling_factor,
+    )
+
+
+# ---- expert compute: x [T, H], (weights, ids) [T, k] → [T, H] ----
+
+
+def _combine(rows: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [T, k, H] (slot j of token t = its j-th expert's output) → Σ_j w[t, j] rows[t, j]."""
+    return (rows.float() * weights[:, :, None]).sum(dim=1).to(dtype)
+
+
+def looped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    act: Activation = silu_mul,
+) -> torch.Tensor:
+    """Reference and CPU path: one gate_up and one down matmul per expert that was chosen
+    (reads the chosen experts on the host: not for CUDA graphs)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [R], row r = (token r // k, slot r % k)
+    rows = x.new_empty((t * k, x.shape[1]))
+    for e in torch.unique(flat).tolist():
+        where = (flat == e).nonzero().squeeze(1)  # [n_e] rows routed to expert e
+        h = act(F.linear(x.index_select(0, where // k), gate_up[e]))
+        rows.index_copy_(0, where, F.linear(h, down[e]))
+    return _combine(rows.view(t, k, -1), weights, x.dtype)
+
+
+def grouped_mm_op() -> Callable[..., torch.Tensor] | None:
+    """torch's grouped GEMM (F.grouped_mm in torch >= 2.10, torch._grouped_mm before)."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch runs grouped_mm on the device without a host sync: its CUTLASS kernels
+    take bf16 on sm90 / sm100; elsewhere it falls back to a loop that copies the offsets to the
+    host (correct, but not capturable in a CUDA graph)."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or grouped_mm_op() is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+# How a SparseMoeBlock computes its experts: "grouped_mm" (torch's, CUTLASS), "triton"
+# (model/kernels/triton_moe.py), "loop" (looped_experts), or "auto": the first of those that
+# is sync-free on the device and dtype, else the loop.
+EXPERT_IMPLS = ("auto", "grouped_mm", "triton", "loop")
+SYNC_FREE = ("grouped_mm", "triton")
+
+
+def expert_impl(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+    assert requested in EXPERT_IMPLS, requested
+    if requested != "auto":
+        return requested
+    if grouped_mm_supported(device, dtype):
+        return "grouped_mm"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "loop"
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,  # [E, 2I, H]
+    down: torch.Tensor,  # [E, H, I]
+    act: Activation = silu_mul,
+    gemm: str = "grouped_mm",  # or "triton"
+) -> torch.Tensor:
+    """Sorted by expert, one grouped GEMM per projection; no host sync."""
+    t, k = ids.shape
+    num_experts = gate_up.shape[0]
+    flat = ids.reshape(-1)  # [R]
+    order = torch.argsort(flat, stable=True)  # [R] rows grouped by expert, in token order
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    xs = x.index_select(0, order // k)  # [R, H]
+    if gemm == "triton":
+        from ds4pool.model.kernels.triton_moe import grouped_gemm
+
+        h = act(grouped_gemm(xs, gate_up, counts))  # [R, I]
+        ys = grouped_gemm(h, down, counts)  # [R, H]
+    else:
+        assert gemm == "grouped_mm", gemm
+        mm = grouped_mm_op()
+        assert mm is not None, "torch has no grouped_mm"
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each group
+        # weights are [E, N, K] (out, in): their transpose is the column-major [E, K, N] operand
+        h = act(mm(xs, gate_up.transpose(1, 2), offs=offsets))  # [R, I]
+        ys = mm(h, down.transpose(1, 2), offs=offsets)  # [R, H]
+    rows = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, slot) order
+    return _combine(rows.view(t, k, -1), weights, x.dtype)
+
+
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Activation = silu_mul,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The experts of every token, by `expert_impl(impl)`."""
+    chosen = expert_impl(x.device, x.dtype, impl)
+    if chosen == "loop":
+        return looped_experts(x, weights, ids, gate_up, down, act)
+    return grouped_experts(x, weights, ids, gate_up, down, act, gemm=chosen)
+
+
+# ---- the layer ----
+
+
+class Router(nn.Module):
+    """`weight` [E, H] is Hugging Face's `mlp.gate.weight`; DeepSeek-V3 adds the
+    `e_score_correction_bias` [E] buffer (a checkpoint tensor, used for choosing only)."""
+
+    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        # register_buffer refuses a name that is already a plain attribute: set one or other
+        self.e_score_correction_bias: torch.Tensor | None
+        if moe.router == "sigmoid_group_topk":
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
+        if self.moe.router == "sigmoid_group_topk":  # DeepSeek scores in float32
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)  # [T, E]
+        return route(self.moe, logits, self.e_score_correction_bias)
+
+
+class Experts(nn.Module):
+    """The stacked expert weights (transformers 5's in-memory names); checkpoints keep one
+    tensor per expert and projection, which model/registry.py stacks at load."""
+
+    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        e, i = moe.num_experts, moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))  # [E, H, I]
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: route each token to k experts, sum their outputs (plus the
+    shared experts' where the family has them). A drop-in for GatedMLP in a decoder layer."""
+
+    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.gate = Router(moe, hidden)
+        self.experts = Experts(moe, hidden)
+        self.shared_experts: GatedMLP | None = None
+        if moe.num_shared_experts:
+            size = moe.intermediate_size * moe.num_shared_experts
+            self.shared_experts = GatedMLP(hidden, size, bias=False)
+        # Called with each forward's expert ids [T, k] when set (benchmarks count the experts
+        # a step reads); Python-side, so it sees eager forwards only, not graph replays.
+        self.observer: Callable[[torch.Tensor], None] | None = None
+        self.impl = "auto"  # one of EXPERT_IMPLS (benchmarks compare them)
+
+    def fuse(self) -> None:
+        if self.shared_experts is not None:
+            self.shared_experts.fuse()
+
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
+        weights, ids = self.gate(x)
+        if self.observer is not None:
+            self.observer(ids)
+        act = silu_mul if ops is None else ops.silu_mul
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        out = experts_forward(x, weights, ids, gate_up, down, act, self.impl)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, ops)
+        return out
