@@ -27,12 +27,7 @@ from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo_tokenizer import build_demo_tokenizer
 from ds4pool.model.llama import LlamaForCausalLM
-from ds4pool.model.loader import (
-    LoadedModel,
-    build_empty,
-    checkpoint_tensors,
-    tokenizer_identity,
-)
+from ds4pool.model.loader import LoadedModel, build_empty, tokenizer_identity
 from ds4pool.model.tokenizer import Tokenizer
 
 DEMO_VERSION = 2
@@ -139,14 +134,8 @@ def default_cache_dir() -> Path:
 
 def init_random_(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
     """Deterministic init, independent of parameter order: each tensor draws from its
-    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std);
-    persistent buffers (checkpoint tensors that are not parameters, e.g. a router's score
-    correction bias) 0."""
+    own generator seeded by (seed, name). Norm weights 1, biases 0, the rest N(0, std)."""
     device = next(model.parameters()).device
-    params = {id(p) for p in model.parameters()}
-    for tensor in checkpoint_tensors(model).values():
-        if id(tensor) not in params:
-            tensor.zero_()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)

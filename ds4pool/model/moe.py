@@ -229,9 +229,12 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        # register_buffer refuses a name that is already a plain attribute: set one or other
         self.e_score_correction_bias: torch.Tensor | None
-        bias = torch.zeros(moe.num_experts) if moe.router == "sigmoid_group_topk" else None
-        self.register_buffer("e_score_correction_bias", bias)
+        if moe.router == "sigmoid_group_topk":
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))
+        else:
+            self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
         if self.moe.router == "sigmoid_group_topk":  # DeepSeek scores in float32

@@ -217,25 +217,17 @@ def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path) -> None:
         load_weights(build_empty(cfg, torch.device("cpu"), torch.float32), [f], False)
 
 
-def test_random_init_zeroes_persistent_buffers_of_a_deepseek_router() -> None:
-    """to_empty() leaves buffers as uninitialised memory; a random preset must not route
-    through it (DeepSeek-V3's e_score_correction_bias is a buffer, not a parameter)."""
-    from dataclasses import replace
-
-    from ds4pool.model.demo import init_random_
-    from ds4pool.model.loader import build_empty, checkpoint_tensors
+def test_a_deepseek_router_holds_its_correction_bias_as_a_checkpoint_tensor() -> None:
+    """e_score_correction_bias is a buffer the loader fills from the checkpoint (it is not
+    a parameter); other routers have none."""
+    from ds4pool.model.loader import checkpoint_tensors
     from ds4pool.model.moe import SparseMoeBlock
-    from tests.hf_models import TINY_MOE
 
-    hf = {**TINY_MOE, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
-    cfg = ModelConfig.from_hf({**hf, "num_hidden_layers": 2, "num_attention_heads": 4})
-    assert cfg.moe is not None
-    moe = replace(cfg.moe, router="sigmoid_group_topk", n_group=2, topk_group=1)
-    model = build_empty(replace(cfg, moe=moe), torch.device("cpu"), torch.float32)
-    for m in model.modules():
-        if isinstance(m, SparseMoeBlock):
-            assert m.gate.e_score_correction_bias is not None
-            m.gate.e_score_correction_bias.fill_(float("nan"))  # what to_empty may leave
-    init_random_(model, seed=0)
-    biases = [t for n, t in checkpoint_tensors(model).items() if "correction_bias" in n]
-    assert len(biases) == 2 and all(torch.equal(b, torch.zeros(8)) for b in biases)
+    moe = MoEConfig(8, 2, 16, "sigmoid_group_topk", (0,), n_group=2, topk_group=1)
+    block = SparseMoeBlock(moe, 32)
+    names = set(checkpoint_tensors(block))
+    assert "gate.e_score_correction_bias" in names
+    assert "gate.e_score_correction_bias" not in dict(block.named_parameters())
+    plain = SparseMoeBlock(MoEConfig(8, 2, 16, "softmax_topk", (0,)), 32)
+    assert plain.gate.e_score_correction_bias is None
+    assert "gate.e_score_correction_bias" not in set(checkpoint_tensors(plain))
