@@ -47,12 +47,17 @@ from ds4pool.model.runner import ModelRunner  # noqa: E402
 
 @dataclass
 class ExpertHits:
-    """Distinct experts per MoE-block forward, summed over the forwards it saw."""
+    """Distinct experts per MoE-block forward, summed over the forwards it saw after the
+    first `skip`."""
 
+    skip: int = 0
     distinct: int = 0
     forwards: int = 0
 
     def __call__(self, ids: torch.Tensor) -> None:  # [T, k]
+        if self.skip:
+            self.skip -= 1
+            return
         self.distinct += int(torch.unique(ids).numel())
         self.forwards += 1
 
@@ -87,14 +92,11 @@ def count_expert_hits(runner: ModelRunner, batch: int, prompt_len: int, steps: i
     blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
     pool = BlockPool(runner.num_blocks)
     tables, last = prefill_batch(runner, pool, batch, prompt_len)
-    hits = ExpertHits()
+    hits = ExpertHits(skip=2 * len(blocks))  # bench_batch's 2 warm-up steps: not counted
     for b in blocks:
         b.observer = hits
     try:
-        # bench_batch's two warm-up steps, then its timed ones: count exactly those
-        decode_steps(runner, pool, tables, last, prompt_len, 2, warmup=0)
-        hits.distinct = hits.forwards = 0
-        decode_steps(runner, pool, tables, last, prompt_len + 2, steps, warmup=0)
+        decode_steps(runner, pool, tables, last, prompt_len, steps, warmup=2)
     finally:
         for b in blocks:
             b.observer = None

@@ -215,3 +215,19 @@ def test_a_checkpoint_missing_one_expert_tensor_fails_to_load(tmp_path) -> None:
     save_file(state, f)
     with pytest.raises(ModelLoadError, match=r"missing 1 tensor.*layers\.1\.mlp\.experts\.gate_up"):
         load_weights(build_empty(cfg, torch.device("cpu"), torch.float32), [f], False)
+
+
+def test_a_deepseek_router_holds_its_correction_bias_as_a_checkpoint_tensor() -> None:
+    """e_score_correction_bias is a buffer the loader fills from the checkpoint (it is not
+    a parameter); other routers have none."""
+    from ds4pool.model.loader import checkpoint_tensors
+    from ds4pool.model.moe import SparseMoeBlock
+
+    moe = MoEConfig(8, 2, 16, "sigmoid_group_topk", (0,), n_group=2, topk_group=1)
+    block = SparseMoeBlock(moe, 32)
+    names = set(checkpoint_tensors(block))
+    assert "gate.e_score_correction_bias" in names
+    assert "gate.e_score_correction_bias" not in dict(block.named_parameters())
+    plain = SparseMoeBlock(MoEConfig(8, 2, 16, "softmax_topk", (0,)), 32)
+    assert plain.gate.e_score_correction_bias is None
+    assert "gate.e_score_correction_bias" not in set(checkpoint_tensors(plain))
