@@ -87,12 +87,14 @@ class TritonOps(TorchOps):
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """A [T, H + H_kv, D] view over q and k if k's heads follow q's in memory."""
+    """A [T, H + H_kv, D] view over q and k if k's heads follow q's in memory, in the same
+    storage (separate tensors can be adjacent by the allocator's chance: q/k-norm outputs)."""
     t, h, d = q.shape
     # a size-1 token axis may carry any stride: only compare it when it matters
     same_rows = t == 1 or k.stride(0) == q.stride(0)
     if (
-        q.stride(2) == 1
+        q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        and q.stride(2) == 1
         and k.stride(2) == 1
         and q.stride(1) == d
         and k.stride(1) == d
