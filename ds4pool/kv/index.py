@@ -17,8 +17,9 @@ free to. Every indexed block carries one reference held by the index itself, so
 
 and an indexed block that no session holds (refcount 1) is *cached*: it stays indexed, in
 an LRU, until the device needs blocks; then cached blocks are evicted lowest priority first
-(the largest priority number: lower runs first, as in the scheduler), least recently
-released first within a priority. Blocks of pinned prefixes are never evicted.
+(the largest priority number of the last request that used them: lower runs first, as in
+the scheduler), least recently released first within a priority. Blocks of pinned prefixes
+are never evicted.
 
 A holder never writes into an indexed block (see `is_shared`): only full blocks are indexed,
 and a holder writes past its computed tokens, so only a truncation into an indexed block
@@ -31,7 +32,7 @@ import hashlib
 import os
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds4pool.errors import OutOfBlocksError
@@ -43,7 +44,7 @@ BlockKey = bytes  # 16-byte chain hash of a full block (and everything before it
 @dataclass
 class _Entry:
     key: BlockKey
-    priority: int  # of the last request that released it (lower runs first)
+    priority: int  # of the last request that indexed or acquired it (lower runs first)
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,15 @@ class IndexUsage:
 
 
 class BlockIndex:
-    def __init__(self, pool: BlockPool, block_size: int, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        secret: bytes | None = None,
+        on_evict: Callable[[int], None] | None = None,
+    ) -> None:
         self.pool = pool
+        self._on_evict = on_evict
         self.block_size = block_size
         self._secret = secret if secret is not None else os.urandom(16)
         self._by_key: dict[BlockKey, int] = {}
@@ -101,10 +109,13 @@ class BlockIndex:
             out.append(b)
         return out
 
-    def acquire(self, keys: Sequence[BlockKey]) -> list[int]:
-        """Take a reference on the blocks of the longest indexed prefix of `keys`."""
+    def acquire(self, keys: Sequence[BlockKey], priority: int = 0) -> list[int]:
+        """Take a reference on the blocks of the longest indexed prefix of `keys` for a
+        request of `priority` (the blocks' eviction class once nobody holds them)."""
         blocks = self.lookup(keys)
         self.incref(blocks)
+        for b in blocks:
+            self._by_block[b].priority = priority
         self.hits += len(blocks)
         return blocks
 
@@ -126,6 +137,10 @@ class BlockIndex:
 
     def is_indexed(self, block: int) -> bool:
         return block in self._by_block
+
+    def key_of(self, block: int) -> BlockKey | None:
+        e = self._by_block.get(block)
+        return None if e is None else e.key
 
     def is_shared(self, block: int) -> bool:
         """True when a holder must not write into the block (copy it first)."""
@@ -164,6 +179,8 @@ class BlockIndex:
             raise OutOfBlocksError(f"need {n} KV blocks, {self.num_free} free")
         for _ in range(max(0, short)):
             self._evict_one()
+        if short > 0 and self._on_evict is not None:
+            self._on_evict(short)
         return self.pool.allocate(n)
 
     def incref(self, blocks: Sequence[int]) -> None:
@@ -171,15 +188,14 @@ class BlockIndex:
         for b in blocks:
             self._uncache(b)
 
-    def free(self, blocks: Sequence[int], priority: int = 0) -> None:
+    def free(self, blocks: Sequence[int]) -> None:
         """Drop one holder's reference to each block. Indexed blocks left without holders
         become cached, the last ones first (so a chain's tail is evicted before its head)."""
         self.pool.free(list(blocks))
         for b in reversed(blocks):
             e = self._by_block.get(b)
             if e is not None and self.pool.refcount(b) == 1 and e.key not in self._pinned:
-                e.priority = priority
-                self._cached.setdefault(priority, OrderedDict())[b] = None
+                self._cached.setdefault(e.priority, OrderedDict())[b] = None
 
     def _uncache(self, b: int) -> None:
         e = self._by_block.get(b)
@@ -201,6 +217,8 @@ class BlockIndex:
         n = self.num_cached
         for _ in range(n):
             self._evict_one()
+        if n and self._on_evict is not None:
+            self._on_evict(n)
         return n
 
     # ------------------------------------------------------------ pinned prefixes

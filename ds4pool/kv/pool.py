@@ -22,6 +22,7 @@ import itertools
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.disk import DiskEntry, DiskTier
+from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
 from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
@@ -45,7 +47,7 @@ from ds4pool.kv.session import (
     validate_session_id,
 )
 from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
-from ds4pool.kv.transfer import gather_to_host, scatter_from_host
+from ds4pool.kv.transfer import copy_block, gather_to_host, scatter_from_host
 from ds4pool.model.kv_layout import KVLayout
 from ds4pool.model.loader import LoadedModel
 
@@ -87,6 +89,9 @@ class PoolUsage:
     disk_sessions: int
     disk_bytes: int
     disk_budget_bytes: int
+    device_blocks_indexed: int = 0  # full blocks in the block index (held or cached)
+    device_blocks_cached: int = 0  # indexed blocks no session holds (evicted when needed)
+    device_blocks_pinned: int = 0  # indexed blocks of pinned prefixes
 
 
 class PoolObserver:
@@ -97,6 +102,12 @@ class PoolObserver:
     def restored(self, tier: str, seconds: float) -> None: ...
 
     def snapshot_error(self, kind: str) -> None: ...
+
+    def prefix_shared(self, num_tokens: int) -> None:
+        """A prompt or a restore took num_tokens of KV from the block index."""
+
+    def blocks_evicted(self, num_blocks: int) -> None:
+        """Cached blocks left the block index to make room."""
 
 
 class SessionPool:
@@ -111,7 +122,11 @@ class SessionPool:
         self.kv_caches = kv_caches
         self.fingerprint = fingerprint
         self.observer = observer or PoolObserver()
-        self.blocks = BlockPool(cfg.num_device_blocks)
+        # sessions' block tables allocate through the index: it keeps full blocks nobody
+        # holds cached (see kv/index.py) and evicts them when the device needs room
+        self.blocks = BlockIndex(
+            BlockPool(cfg.num_device_blocks), cfg.block_size, on_evict=self.observer.blocks_evicted
+        )
         self.kv_bytes_per_token = KVLayout.of(kv_caches).bytes_per_token
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -201,11 +216,15 @@ class SessionPool:
         prompt_ids: Sequence[int] | None = None,
         prompt_text: str | None = None,
         tokenize: Callable[[str], list[int]] | None = None,
+        priority: int = 0,
     ) -> PrefixMatch:
         """Decide the new prompt's tokens and how many leading ones reuse cached KV; drop
         the KV past that point. When the rendered text extends the session's text, the
         cached tokens are kept as they are and only the new text is tokenized (BPE merges
-        across the old/new boundary would otherwise make a token match miss)."""
+        across the old/new boundary would otherwise make a token match miss). When the
+        block index holds a longer chain of the prompt's blocks than the session's own KV
+        (another session's system prompt, or this session's other branch), the session
+        takes those blocks instead."""
         assert s.in_flight
         assert prompt_ids is not None or (prompt_text is not None and tokenize is not None)
         with self._lock:
@@ -245,11 +264,56 @@ class SessionPool:
             reuse = max(0, min(common, s.num_computed, len(ids) - 1))
             if reuse < len(s.token_ids):
                 s.text = ""  # the text stood for tokens we no longer keep
+            s.priority = priority
+            reuse = self._truncate_kv(s, reuse)  # less when a partial block cannot be copied
             s.token_ids = ids[:reuse]
-            self._truncate_kv(s, reuse)
+            own = reuse
+            reuse = self._share_prefix(s, ids, reuse)
             if reuse:
                 s.hits += 1
-            return PrefixMatch(token_ids=ids, num_reused=reuse, via_text=via_text)
+            return PrefixMatch(
+                token_ids=ids, num_reused=reuse, via_text=via_text, num_shared=reuse - own
+            )
+
+    def _share_prefix(self, s: Session, ids: list[int], reuse: int) -> int:
+        """Adopt the longest indexed chain of ids' blocks when it reaches past the session's
+        own `reuse` tokens; returns the tokens reused."""
+        bs = self.cfg.block_size
+        # at least one token is computed: the chain covers full blocks of ids[:-1]
+        keys = self.blocks.keys(s.tenant, ids[: len(ids) - 1], s.block_keys[: reuse // bs])
+        chain = self.blocks.lookup(keys)
+        n = len(chain) * bs
+        if n <= reuse:
+            return reuse
+        persisted = min(s.num_persisted, reuse)
+        self._drop_kv(s)
+        table = BlockTable(bs)
+        table.adopt(self.blocks, self.blocks.acquire(keys[: len(chain)], s.priority))
+        s.block_table, s.tier = table, Tier.DEVICE
+        s.block_keys = keys[: len(chain)]
+        s.token_ids, s.text = ids[:n], ""
+        s.num_computed, s.num_persisted = n, persisted
+        s.version = next(self._versions)
+        self.observer.prefix_shared(n)
+        return n
+
+    def index_blocks(
+        self, s: Session, prompt_ids: Sequence[int], output_ids: Sequence[int], num_computed: int
+    ) -> None:
+        """Offer the block index the full blocks of a running request's KV (tokens
+        prompt_ids + output_ids, the first num_computed computed) not offered yet."""
+        with self._lock:
+            table = s.block_table
+            if s.tier is not Tier.DEVICE or table is None:
+                return
+            bs = self.cfg.block_size
+            done, full = len(s.block_keys), min(num_computed, table.capacity) // bs
+            if full <= done:
+                return
+            ids = [*prompt_ids[: full * bs], *output_ids[: max(0, full * bs - len(prompt_ids))]]
+            keys = self.blocks.keys(s.tenant, ids, s.block_keys)
+            self.blocks.insert(keys[done:], table.blocks[done:full], s.priority)
+            s.block_keys = keys
 
     def restore(self, s: Session) -> None:
         """Bring the session's KV to the device (making room if needed)."""
@@ -264,19 +328,30 @@ class SessionPool:
             # Out of the RAM LRU first: making room pushes others into RAM, which must not
             # push this session out to disk under our feet.
             cached = self.ram.pop(s.key) is not None if src is Tier.RAM else False
+            n, bs = s.num_computed, self.cfg.block_size
+            # the blocks of its prefix still on the device (its own, cached, or another
+            # session's) are shared; only the rest is copied
+            keys = self.blocks.keys(s.tenant, s.token_ids[:n], s.block_keys) if n else []
+            shared = self.blocks.acquire(keys, s.priority)
+            table.adopt(self.blocks, shared)
             try:
-                self._make_room(table.blocks_needed(s.num_computed), exclude=s)
-                table.ensure(self.blocks, s.num_computed)
+                self._make_room(table.blocks_needed(n), exclude=s)
+                table.ensure(self.blocks, n)
             except OutOfBlocksError:
+                table.release(self.blocks)
                 if cached:
                     assert s.host_kv is not None
                     self.ram.put(s.key, s.host_kv)
                 raise
             if src is Tier.RAM:
                 assert s.host_kv is not None
-                scatter_from_host(
-                    self.kv_caches, s.host_kv, table.blocks, s.num_computed, self.cfg.block_size
-                )
+                start = len(shared) * bs
+                rest = table.blocks[len(shared) :]
+                scatter_from_host(self.kv_caches, s.host_kv[:, :, start:], rest, n - start, bs)
+            if shared:
+                self.observer.prefix_shared(len(shared) * bs)
+            self.blocks.insert(keys, table.blocks, s.priority)
+            s.block_keys = keys
             s.host_kv = None
             s.block_table, s.tier = table, Tier.DEVICE
             if came_from is not Tier.NONE:
@@ -299,6 +374,25 @@ class SessionPool:
             self._make_room(need, exclude=s)
             s.block_table.ensure(self.blocks, num_tokens)
 
+    def blocks_to_hold(self, s: Session, num_tokens: int) -> int:
+        """Device blocks s lacks to hold num_tokens (all of them when it is off the device:
+        an estimate, a restore may share some)."""
+        with self._lock:
+            if s.tier is Tier.DEVICE and s.block_table is not None:
+                return s.block_table.blocks_needed(num_tokens)
+            return -(-num_tokens // self.cfg.block_size)
+
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could get: free ones, cached ones, and those that only idle
+        unpinned device sessions hold (demoted on demand)."""
+        with self._lock:
+            n = self.blocks.num_free
+            for s in self._sessions.values():
+                if s.tier is Tier.DEVICE and not s.in_flight and not s.pinned:
+                    assert s.block_table is not None
+                    n += sum(1 for b in s.block_table.blocks if self.blocks.holders(b) == 1)
+            return n
+
     def commit(self, s: Session, token_ids: Sequence[int], text: str, num_computed: int) -> None:
         """Record the session's state after (part of) a turn: KV exists for the first
         num_computed of token_ids, and `text` is exactly what token_ids stand for."""
@@ -306,8 +400,8 @@ class SessionPool:
             assert num_computed <= len(token_ids)
             s.token_ids, s.text = list(token_ids), text
             s.text_marks = valid_marks(s.text_marks, len(s.token_ids), len(text))
-            self._truncate_kv(s, num_computed)
-            s.num_computed = num_computed
+            s.num_computed = self._truncate_kv(s, num_computed)
+            del s.block_keys[s.num_computed // self.cfg.block_size :]
             s.version = next(self._versions)
             s.last_used = time.time()
 
@@ -360,6 +454,7 @@ class SessionPool:
             s.num_persisted, s.persisted_version = s.num_computed, s.version
             s.tier, s.loaded = Tier.DISK, False
             s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
+            s.block_keys = []
             self.observer.session_moved("ram", "disk", reason)
         else:
             s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
@@ -414,12 +509,17 @@ class SessionPool:
                 "device session is in flight or pinned"
             )
 
-    def _truncate_kv(self, s: Session, n: int) -> None:
+    def _truncate_kv(self, s: Session, n: int) -> int:
+        """Keep KV for the first n tokens; returns how many are kept (n, or n rounded down
+        to a block when a shared partial block cannot be copied for want of room)."""
         if n >= s.num_computed:
-            return
+            return n
+        bs = self.cfg.block_size
         if s.tier is Tier.DEVICE:
             assert s.block_table is not None
             s.block_table.truncate(self.blocks, n)
+            if n % bs and self.blocks.is_shared(s.block_table.blocks[-1]):
+                n = self._copy_last_block(s, n)
         elif s.tier is Tier.RAM:
             assert s.host_kv is not None
             was_cached = self.ram.pop(s.key) is not None
@@ -429,7 +529,26 @@ class SessionPool:
         # DISK: the snapshot keeps more tokens than needed; restore copies only n.
         s.num_computed = n
         s.num_persisted = min(s.num_persisted, n)
+        del s.block_keys[n // bs :]
         s.version = next(self._versions)
+        return n
+
+    def _copy_last_block(self, s: Session, n: int) -> int:
+        """Copy-on-write: the session keeps writing into its last, partial block, which
+        others share (a fork inside an indexed block). Without a free block, round down."""
+        table = s.block_table
+        assert table is not None
+        try:
+            (fresh,) = self.blocks.allocate(1)
+        except OutOfBlocksError:
+            n -= n % self.cfg.block_size
+            table.truncate(self.blocks, n)
+            return n
+        old = table.blocks[-1]
+        copy_block(self.kv_caches, old, fresh)
+        table.truncate(self.blocks, n - n % self.cfg.block_size)  # drops `old`, new epoch
+        table.blocks.append(fresh)
+        return n
 
     def _load(self, s: Session) -> None:
         """Read a DISK session's snapshot into RAM (tokens, text and KV)."""
@@ -445,6 +564,7 @@ class SessionPool:
             return
         n = min(s.num_computed, snap.header.num_kv_tokens)
         kv = [layer[:, :n] for layer in snap.kv]
+        s.block_keys = []
         s.token_ids, s.text, s.loaded = snap.token_ids, snap.text, True
         if n < snap.header.num_kv_tokens:  # truncated while on disk: the text no longer fits
             s.token_ids, s.text = s.token_ids[:n], ""
@@ -572,12 +692,18 @@ class SessionPool:
             s = self._idle(tenant, session_id)
             self._discard(s)
 
-    def _discard(self, s: Session) -> None:
+    def _drop_kv(self, s: Session) -> None:
+        """Forget the session's KV in every tier but disk (its tokens stay)."""
         if s.block_table is not None:
             s.block_table.release(self.blocks)
             s.block_table = None
         self.ram.pop(s.key)
-        s.host_kv, s.tier = None, Tier.NONE
+        s.host_kv, s.tier, s.disk_read_s = None, Tier.NONE, None
+        s.num_computed = 0
+        s.block_keys = []
+
+    def _discard(self, s: Session) -> None:
+        self._drop_kv(s)
         self._sessions.pop(s.key, None)
         if self.order is not None and not s.ephemeral:
             self.order.drop(s.key, next(self._versions))
@@ -599,6 +725,7 @@ class SessionPool:
                 counts[s.tier] += 1
                 if s.tier is Tier.DEVICE:
                     device_tokens += s.num_computed
+            index = self.blocks.usage()
             return PoolUsage(
                 device_blocks_used=self.blocks.num_used,
                 device_blocks_total=self.blocks.num_blocks,
@@ -610,26 +737,42 @@ class SessionPool:
                 disk_sessions=counts[Tier.DISK],
                 disk_bytes=self.disk.used_bytes if self.disk else 0,
                 disk_budget_bytes=self.disk.budget_bytes if self.disk else 0,
+                device_blocks_indexed=index.num_indexed,
+                device_blocks_cached=index.num_cached,
+                device_blocks_pinned=index.num_pinned,
             )
 
+    def _check_keys(self, s: Session) -> None:
+        """A device session's chain keys name its tokens, and a block it holds that the
+        index knows is indexed under the key of the session's block at that place."""
+        assert s.block_table is not None
+        bs = self.cfg.block_size
+        k = min(len(s.block_keys), len(s.token_ids) // bs) if s.loaded else 0
+        assert s.block_keys[:k] == self.blocks.keys(s.tenant, s.token_ids[: k * bs]), s.key
+        if not s.in_flight:  # a running request's keys may run ahead of the session's state
+            assert len(s.block_keys) <= s.num_computed // bs, s.key
+        for key, b in zip(s.block_keys, s.block_table.blocks):
+            indexed = self.blocks.key_of(b)
+            assert indexed is None or indexed == key, f"{s.key}: block {b} holds other tokens"
+
     def check_integrity(self) -> None:
-        """Raise AssertionError if tiers, blocks and budgets disagree."""
+        """Raise AssertionError if tiers, blocks, the block index and budgets disagree."""
         with self._lock:
-            self.blocks.check_integrity()
-            device_blocks = 0
+            holders: Counter[int] = Counter()
             for s in self._sessions.values():
                 assert s.num_computed <= max(len(s.token_ids), s.num_computed)
                 if s.tier is Tier.DEVICE:
                     assert s.block_table is not None and s.host_kv is None
                     assert s.block_table.capacity >= s.num_computed
-                    device_blocks += len(s.block_table.blocks)
+                    holders.update(s.block_table.blocks)
+                    self._check_keys(s)
                 else:
                     assert s.block_table is None, s.key
                 if s.tier is Tier.RAM:
                     assert s.host_kv is not None and s.host_kv.shape[2] == s.num_computed
                 if s.loaded:
                     assert s.num_computed <= len(s.token_ids), s.key
-            assert device_blocks == self.blocks.num_used
+            self.blocks.check_integrity(dict(holders))  # refcounts == holders (+ index)
             for key in self.ram.lru_keys():
                 assert self._sessions[key].tier is Tier.RAM, key
             assert self.ram.used_bytes <= max(self.ram.budget_bytes, 1)

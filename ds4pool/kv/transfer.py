@@ -52,3 +52,10 @@ def scatter_from_host(
     for layer, cache in enumerate(kv_caches):
         src = host[layer][:, :num_tokens].to(device, non_blocking=True)
         KVLayout.token_view(cache).index_copy_(1, slots, src)
+
+
+def copy_block(kv_caches: Sequence[torch.Tensor], src: int, dst: int) -> None:
+    """Copy device block src's K and V into block dst, every layer (copy-on-write)."""
+    for cache in kv_caches:
+        for part in (KVLayout.keys(cache), KVLayout.values(cache)):
+            part[dst].copy_(part[src])

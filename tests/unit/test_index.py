@@ -31,8 +31,8 @@ class Checked:
         self.check()
         return blocks
 
-    def acquire(self, tenant: str, ids: list[int]) -> list[int]:
-        blocks = self.index.acquire(self.index.keys(tenant, ids))
+    def acquire(self, tenant: str, ids: list[int], priority: int = 0) -> list[int]:
+        blocks = self.index.acquire(self.index.keys(tenant, ids), priority)
         self.held.update(blocks)
         self.check()
         return blocks
@@ -42,8 +42,8 @@ class Checked:
         self.check()
         return n
 
-    def free(self, blocks: list[int], priority: int = 0) -> None:
-        self.index.free(blocks, priority)
+    def free(self, blocks: list[int]) -> None:
+        self.index.free(blocks)
         self.held.subtract(blocks)
         self.held = +self.held
         self.check()
@@ -94,10 +94,12 @@ def test_released_blocks_stay_cached_until_the_device_needs_them() -> None:
 def test_lowest_priority_is_evicted_first() -> None:
     c = Checked(num_blocks=2)
     a, b = c.allocate(2)
-    c.insert("t", [1] * BS, [a])
-    c.insert("t", [2] * BS, [b])
-    c.free([a], priority=-5)  # released first but more important
-    c.free([b], priority=5)
+    c.insert("t", [1] * BS, [a], priority=-5)
+    c.insert("t", [2] * BS, [b], priority=0)
+    c.free([a])  # released first but more important
+    c.free([b])
+    c.acquire("t", [2] * BS, priority=5)  # last used by a low-priority request
+    c.free([b])
     c.allocate(1)
     assert c.index.lookup(c.index.keys("t", [1] * BS)) == [a]
     assert c.index.lookup(c.index.keys("t", [2] * BS)) == []
@@ -172,7 +174,7 @@ def test_random_operations_keep_integrity() -> None:
         tenant = rng.choice("ab")
         ids = rng.choice(prefixes)[: rng.randrange(1, 6 * BS)]
         if op < 0.35:
-            shared = c.acquire(tenant, ids)
+            shared = c.acquire(tenant, ids, priority=rng.randrange(3))
             need = len(ids) // BS - len(shared)
             try:
                 own = c.allocate(need)
@@ -182,7 +184,7 @@ def test_random_operations_keep_integrity() -> None:
             c.insert(tenant, ids, shared + own, priority=rng.randrange(3))
             holdings.append(shared + own)
         elif op < 0.7 and holdings:
-            c.free(holdings.pop(rng.randrange(len(holdings))), priority=rng.randrange(3))
+            c.free(holdings.pop(rng.randrange(len(holdings))))
         elif op < 0.8:
             keys = c.index.keys(tenant, ids)
             (c.index.pin if rng.random() < 0.5 else c.index.unpin)(keys)
