@@ -14,14 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from ds4pool.kv.disk import DiskTier, DiskWriteError, SnapshotTooLargeError
 from ds4pool.kv.session import SessionKey
 from ds4pool.kv.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from ds4pool.kv.pool import SessionPool
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +56,18 @@ class SnapshotOrder:
 
 
 class PersistWriter:
-    def __init__(self, pool: SessionPool, idle_s: float) -> None:
-        self.pool = pool
+    """The `ds4pool-persist` thread. `persist(key)` writes one session's snapshot (False if
+    there was nothing to write); `idle_keys(idle_s)` lists the sessions dirty and idle that
+    long. Both come from the pool's tiers, so this module knows nothing of the pool."""
+
+    def __init__(
+        self,
+        persist: Callable[[SessionKey], bool],
+        idle_keys: Callable[[float], list[SessionKey]],
+        idle_s: float,
+    ) -> None:
+        self._persist = persist
+        self._idle_keys = idle_keys
         self.idle_s = idle_s
         self._cond = threading.Condition()
         self._queue: deque[SessionKey] = deque()
@@ -102,9 +109,9 @@ class PersistWriter:
                     self._busy = True
             try:
                 if key is not None:
-                    self.pool.persist(key)
+                    self._persist(key)
                 elif self.idle_s > 0:
-                    for idle in self.pool.idle_dirty_keys(self.idle_s):
+                    for idle in self._idle_keys(self.idle_s):
                         self.enqueue(idle)
             except Exception:  # never let the writer die: log and carry on
                 log.exception("persist writer: unexpected error")
