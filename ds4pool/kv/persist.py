@@ -5,8 +5,11 @@ than `persist_idle_s` (checked on a timer here), an explicit flush, and shutdown
 
 Ordering: every snapshot carries the session's version (a pool-wide counter bumped on
 every change of its tokens/KV). `SnapshotOrder` serialises writes and refuses one older
-than what was last written for the key, so a slow write can never replace a newer
-snapshot or resurrect a dropped session.
+than what was last written or dropped for the key, so a slow write can never replace a
+newer snapshot or resurrect a dropped session.
+
+The same thread writes the snapshots of sessions spilling out of the RAM tier (see
+`tiers.py`): their host copies wait in memory, restorable, until the write lands.
 """
 
 from __future__ import annotations
@@ -26,33 +29,54 @@ log = logging.getLogger(__name__)
 class SnapshotOrder:
     """Serialises disk writes and keeps, per key, the newest version written or dropped.
 
-    Lock order: the pool lock may be held when entering here; code holding this lock
-    never takes the pool lock."""
+    A drop never waits for a write: it records its version at once (an older write then
+    refuses to start) and deletes the file, or, when a write of that key is under way,
+    leaves the delete to that write, which does it as soon as its rename landed. So a
+    dropped session is never resurrected, and the pool lock (held by callers of drop) is
+    never held across a disk write.
+
+    Lock order: the pool lock may be held when entering drop; `_lock` (the version map,
+    held only for dictionary updates and an unlink) is never held across I/O of a write;
+    `_write_lock` (held across a write) is never taken with the pool lock held: a write may
+    call the disk tier's eviction hook, which takes the pool lock."""
 
     def __init__(self, disk: DiskTier) -> None:
         self.disk = disk
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._newest: dict[SessionKey, int] = {}
+        self._writing: dict[SessionKey, int] = {}  # key → version whose write is under way
 
     def write(self, snap: Snapshot, version: int) -> bool:
         """Write unless a newer version of the key was written or dropped; True if written."""
-        with self._lock:
-            newest = self._newest.get(snap.key, -1)
-            if newest >= version:
-                # versions are unique: equal means this exact state is already on disk
-                return newest == version
+        key = snap.key
+        with self._write_lock:
+            with self._lock:
+                newest = self._newest.get(key, -1)
+                if newest >= version:
+                    # versions are unique: equal means this exact state is already on disk
+                    return newest == version
+                self._writing[key] = version
             try:
                 self.disk.write(snap)
+                written = True
             except (DiskWriteError, SnapshotTooLargeError) as exc:
                 log.warning("snapshot of a session not written: %s", exc)
-                return False  # counted by the disk tier's on_error
-            self._newest[snap.key] = version
-            return True
+                written = False  # counted by the disk tier's on_error
+            with self._lock:
+                del self._writing[key]
+                if self._newest.get(key, -1) > version:  # dropped while we wrote
+                    self.disk.delete(*key)
+                    return False
+                if written:
+                    self._newest[key] = version
+                return written
 
     def drop(self, key: SessionKey, version: int) -> None:
         with self._lock:
             self._newest[key] = version
-            self.disk.delete(*key)
+            if key not in self._writing:
+                self.disk.delete(*key)
 
 
 class PersistWriter:
