@@ -2,9 +2,10 @@
 and do (list, show, evict, drop, pin, usage). Read-only views are `SessionInfo` /
 `PoolUsage` values, never live sessions.
 
-Every method takes the pool lock; none may be called with a session's request in flight
-(evict and drop refuse with SessionBusyError). Calls that move KV (evict, drop) can copy and
-write: the HTTP layer runs them in a worker thread, off the event loop.
+Every method takes the pool lock, briefly; none may be called with a session's request in
+flight (evict and drop refuse with SessionBusyError). An evict to disk writes the snapshot
+on the calling thread without the pool lock. The HTTP layer runs all of them in a worker
+thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class SessionAdmin:
         with self._lock:
             s = self._idle(tenant, session_id)
             self._tiers.demote(s, target, "admin")
+        if target is Tier.DISK:
+            self._tiers.persist(s.key)  # the write of its spill, here, off the pool lock
+        with self._lock:
             return s.info(self.kv_bytes_per_token)
 
     def drop(self, tenant: str, session_id: str) -> None:

@@ -20,6 +20,9 @@ class PoolConfig:
     persist_idle_s: float = 30.0  # persist a dirty session idle this long (0 disables)
     persist_every_tokens: int = 4096  # persist when this many new tokens piled up (0 disables)
     acquire_timeout_s: float = 60.0
+    # Host copies waiting for their snapshot write (RAM overflow, demotions to disk) may hold
+    # this much memory on top of ram_bytes; a spill past it loses that KV (re-prefilled).
+    spill_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,13 @@ class SessionPool:
                     )
                 self._cond.wait(left)
 
+    def prefetch(self, tenant: str, session_id: str | None) -> bool:
+        """Start reading a disk session's snapshot ahead of its request (kv/prefetch.py);
+        True while that read is queued or running: admit the request after it."""
+        if session_id is None:
+            return False
+        return self.tiers.prefetch((tenant, session_id))
+
     def release(self, s: Session) -> None:
         """End the request's lease; ephemeral sessions are discarded."""
         with self._cond:

@@ -6,17 +6,24 @@ The one KV copy of a session moves, never two live:
        ▲                                │                      │
        └────────────── restore ─────────┴──────────────────────┘
 
-- RAM over budget → its LRU entries go to disk (already-persisted ones are just dropped,
-  dirty ones are written first); a failed write loses that KV (the session keeps its
-  tokens and re-prefills), counted as a snapshot error.
+- RAM over budget → its LRU entries go to disk. Already-persisted ones are just dropped;
+  dirty ones *spill*: the host copy leaves the LRU but stays with the session (tier RAM,
+  readable and restorable) while the writer thread writes its snapshot, and the session
+  becomes DISK when that write lands. A failed write loses that KV (the session keeps its
+  tokens and re-prefills), counted as a snapshot error; so does a spill past
+  `spill_bytes` of host copies already waiting for the writer.
+- A DISK session whose request is queued is read ahead (`read_ahead`, on the prefetch
+  thread, off the pool lock) into the RAM LRU, so the step thread only copies host → device.
 - Disk over budget → the LRU snapshot file is deleted; a session living only there is gone.
 - A DISK-tier session keeps only its index entry in memory; its tokens and text are read
   back with its KV (`load`).
 
 Which session moves, and when, is the pool's decision (`pool.py`); block ids come from the
 pool's `BlockPool`. Locking: every method that takes a Session runs with the pool lock held
-by its caller (`lock` is that RLock); `persist` and the disk tier's eviction callback take it
-themselves.
+by its caller (`lock` is that RLock); `persist`, `read_ahead` and the disk tier's eviction
+callback take it themselves, and do their disk I/O without it. Nothing here waits for a
+disk write while holding the pool lock (a write may call back into `_on_disk_evict`, which
+takes it).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.config import PoolConfig, PoolObserver
 from ds4pool.kv.disk import DiskEntry, DiskTier
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
+from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import Session, SessionKey, Tier
 from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
@@ -46,6 +54,14 @@ class RestoreMove:
     came_from: Tier  # DISK when the host copy was read from a snapshot for this request
     started: float  # perf_counter at the start
     cached: bool  # the host copy was taken out of the RAM LRU (put back on abort)
+
+
+@dataclass(frozen=True)
+class Spill:
+    """A host copy out of the RAM LRU, waiting for its snapshot write (see to_disk)."""
+
+    num_bytes: int
+    reason: str
 
 
 class Tiers:
@@ -86,6 +102,8 @@ class Tiers:
             if self.disk
             else None
         )
+        self.prefetcher = Prefetcher(self.read_ahead) if self.disk else None
+        self._spills: dict[SessionKey, Spill] = {}
 
     def _index_disk(self, disk: DiskTier) -> None:
         """Sessions found on disk at start resume as DISK-tier sessions (not loaded)."""
@@ -124,22 +142,39 @@ class Tiers:
         self.to_disk(s, reason)
 
     def to_disk(self, s: Session, reason: str) -> None:
-        """RAM → disk for a session whose host copy is in s.host_kv (already out of the RAM
-        LRU). Writes a snapshot if the newest one is stale; on failure the KV is lost."""
-        host = s.host_kv
-        assert host is not None
+        """RAM → disk for a session whose host copy is in s.host_kv, out of the RAM LRU.
+        With a current snapshot the copy is dropped now. Otherwise it spills: the copy stays
+        with the session (tier RAM, restorable) and the writer thread writes it; `persist`
+        makes the session DISK when the write lands. With no disk tier, or past the spill
+        backlog (`spill_bytes`), the KV is lost: the session keeps its tokens, re-prefills."""
+        assert s.host_kv is not None
+        if self.order is not None and not s.dirty:
+            self._spilled(s, reason)
+            return
+        size = nbytes(s.host_kv)
+        backlog = sum(spill.num_bytes for spill in self._spills.values())
+        if self.writer is None or (backlog and backlog + size > self.cfg.spill_bytes):
+            self._lose(s, "backlog" if self.writer else reason)
+            return
+        self._spills[s.key] = Spill(size, reason)
+        self.writer.enqueue(s.key)
+
+    def _spilled(self, s: Session, reason: str) -> None:
+        """The newest snapshot holds this session's state: only its index entry stays."""
         s.host_kv = None
-        written = False
-        if self.order is not None:
-            written = not s.dirty or self.order.write(self.snapshot(s, host), s.version)
-        if written:
-            s.num_persisted, s.persisted_version = s.num_computed, s.version
-            s.tier, s.loaded = Tier.DISK, False
-            s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
-            self.observer.session_moved("ram", "disk", reason)
-        else:
-            s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
-            self.observer.session_moved("ram", "none", reason)
+        s.num_persisted = s.num_computed
+        s.tier, s.loaded = Tier.DISK, False
+        s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
+        self.observer.session_moved("ram", "disk", reason)
+
+    def _lose(self, s: Session, reason: str) -> None:
+        s.host_kv = None
+        s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
+        self.observer.session_moved("ram", "none", reason)
+
+    def _is_spilling(self, s: Session) -> bool:
+        """A host copy held out of the LRU by an idle session: only a spill leaves one."""
+        return s.tier is Tier.RAM and not s.in_flight and s.key not in self.ram
 
     def _on_ram_evict(self, key: SessionKey, host: torch.Tensor) -> None:
         s = self._sessions.get(key)
@@ -179,31 +214,76 @@ class Tiers:
     # ------------------------------------------------------------ up
 
     def load(self, s: Session) -> None:
-        """Read a DISK session's snapshot into a host buffer (tokens, text and KV)."""
+        """Read a DISK session's snapshot into a host buffer (tokens, text and KV), here and
+        now: the fallback when no read-ahead brought it up first."""
         if s.tier is not Tier.DISK:
             return
         assert self.disk is not None
         t0 = time.perf_counter()
         snap = self.disk.read(s.tenant, s.session_id)
-        if snap is None:  # absent or quarantined (counted): start fresh
-            s.token_ids, s.text, s.num_computed, s.num_persisted = [], "", 0, 0
-            s.tier, s.loaded, s.persisted_version = Tier.NONE, True, -1
-            s.version = self._next_version()
-            return
-        n = min(s.num_computed, snap.header.num_kv_tokens)
+        self._install(s, snap, self._host_copy(snap, s.num_computed))
+        # Held by the in-flight session only (not the RAM LRU): restore moves it to the
+        # device next; file_in_ram() files it in RAM if no restore came.
+        if s.tier is Tier.RAM:
+            s.disk_read_s = time.perf_counter() - t0
+
+    def prefetch(self, key: SessionKey) -> bool:
+        """Ask for a read-ahead of a DISK session; True while one is queued or running."""
+        if self.prefetcher is None:
+            return False
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is not None and s.tier is Tier.DISK and not s.in_flight:
+                self.prefetcher.request(key)
+        return self.prefetcher.pending(key)
+
+    def read_ahead(self, key: SessionKey) -> None:
+        """The prefetch thread's job: disk → host buffer (read, checksum, decode) off the pool
+        lock, then file the copy in the RAM LRU, unless the session moved meanwhile."""
+        assert self.disk is not None
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is None or s.tier is not Tier.DISK or s.in_flight:
+                return
+            version, num_computed = s.version, s.num_computed
+        snap = self.disk.read(*key)
+        host = self._host_copy(snap, num_computed)
+        with self._lock:
+            if self._sessions.get(key) is not s or s.tier is not Tier.DISK or s.in_flight:
+                return  # taken by a request (it loads itself) or dropped: discard the read
+            if s.version != version or (host is not None and not self.ram.fits(nbytes(host))):
+                return  # changed, or too large for RAM: the request reads it on its own
+            self._install(s, snap, host)
+            if host is not None:
+                self.ram.put(key, host)  # may spill older entries (no I/O here)
+                self.observer.session_moved("disk", "ram", "prefetch")
+
+    def _host_copy(self, snap: Snapshot | None, num_computed: int) -> torch.Tensor | None:
+        """The first num_computed tokens of a snapshot's KV as one host tensor [L, 2, T, H, D]
+        (pinned on CUDA)."""
+        if snap is None:
+            return None
+        n = min(num_computed, snap.header.num_kv_tokens)
         kv = [layer[:, :n] for layer in snap.kv]
-        s.token_ids, s.text, s.loaded = snap.token_ids, snap.text, True
-        if n < snap.header.num_kv_tokens:  # truncated while on disk: the text no longer fits
-            s.token_ids, s.text = s.token_ids[:n], ""
-        s.num_computed = n
         first = kv[0]
         host = host_buffer((len(kv), *first.shape), first.dtype, self.kv.device)
         for layer, src in enumerate(kv):
             host[layer].copy_(src)
-        # Held by the in-flight session only (not the RAM LRU): restore moves it to the
-        # device next; file_in_ram() files it in RAM if no restore came.
+        return host
+
+    def _install(self, s: Session, snap: Snapshot | None, host: torch.Tensor | None) -> None:
+        """A DISK session gets what its snapshot holds: now RAM (or NONE without one)."""
+        if snap is None or host is None:  # absent or quarantined (counted): start fresh
+            s.token_ids, s.text, s.num_computed, s.num_persisted = [], "", 0, 0
+            s.tier, s.loaded, s.persisted_version = Tier.NONE, True, -1
+            s.version = self._next_version()
+            return
+        n = host.shape[2]
+        s.token_ids, s.text, s.loaded = snap.token_ids, snap.text, True
+        if n < snap.header.num_kv_tokens:  # truncated while on disk: the text no longer fits
+            s.token_ids, s.text = s.token_ids[:n], ""
+        s.num_computed = n
         s.host_kv, s.tier = host, Tier.RAM
-        s.disk_read_s = time.perf_counter() - t0
 
     def file_in_ram(self, s: Session) -> None:
         """A host copy read from disk whose request ended before its restore: into the LRU."""
@@ -257,13 +337,18 @@ class Tiers:
         )
 
     def persist(self, key: SessionKey) -> bool:
-        """Write a snapshot of an idle session if it changed since the last one.
-        Called from the writer thread and by flush(); the disk write runs unlocked."""
+        """Write a snapshot of an idle session if it changed since the last one, and settle
+        its spill if it has one. Called from the writer thread, by flush() and by an admin
+        evict to disk; the disk write runs without the pool lock."""
         if self.order is None:
             return False
         with self._lock:
             s = self._sessions.get(key)
-            if s is None or s.in_flight or not s.dirty or s.tier not in (Tier.DEVICE, Tier.RAM):
+            if s is None or s.in_flight or s.tier not in (Tier.DEVICE, Tier.RAM):
+                self._spills.pop(key, None)  # dropped, or back in use: release() re-files it
+                return False
+            if not s.dirty:
+                self._settle(s, written=True)
                 return False
             if s.tier is Tier.DEVICE:
                 assert s.block_table is not None
@@ -272,12 +357,25 @@ class Tiers:
                 assert s.host_kv is not None
                 host = s.host_kv  # never modified in place: truncation replaces it
             snap, version, n = self.snapshot(s, host), s.version, s.num_computed
-        if not self.order.write(snap, version):
-            return False
+        written = self.order.write(snap, version)
         with self._lock:
             if self._sessions.get(key) is s and s.version == version:
-                s.num_persisted, s.persisted_version = n, version
-        return True
+                if written:
+                    s.num_persisted, s.persisted_version = n, version
+                self._settle(s, written)
+            else:  # it changed while we wrote: a newer spill, if any, is queued again
+                self._spills.pop(key, None)
+        return written
+
+    def _settle(self, s: Session, written: bool) -> None:
+        spill = self._spills.pop(s.key, None)
+        if not self._is_spilling(s):
+            return  # restored or filed in RAM again while the write ran: nothing to settle
+        reason = spill.reason if spill else "ram_full"
+        if written:
+            self._spilled(s, reason)
+        else:
+            self._lose(s, reason)
 
     def idle_dirty_keys(self, idle_s: float) -> list[SessionKey]:
         cutoff = time.time() - idle_s
@@ -302,7 +400,9 @@ class Tiers:
         return sum(self.persist(k) for k in keys)
 
     def close(self) -> None:
-        """Flush to disk and stop the writer (clean shutdown)."""
+        """Stop reading ahead, flush to disk and stop the writer (clean shutdown)."""
+        if self.prefetcher:
+            self.prefetcher.stop()
         self.flush()
         if self.writer:
             self.writer.stop()
