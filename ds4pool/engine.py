@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for
+from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
+from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.model.device import select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
@@ -22,6 +23,19 @@ from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserve
 from ds4pool.sched.worker import Worker
 
 GB = 1 << 30
+
+
+def fingerprint_for(loaded: LoadedModel) -> ModelFingerprint:
+    """What a snapshot's KV depends on: architecture, KV shape, dtype and the weights."""
+    cfg = loaded.config
+    return ModelFingerprint(
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        weights_id=loaded.weights_id,
+    )
 
 
 @dataclass(frozen=True)
@@ -132,7 +146,7 @@ class Engine:
                 persist_every_tokens=cfg.kv_persist_every_tokens,
                 acquire_timeout_s=cfg.session_wait_s,
             ),
-            self.runner.kv_caches,
+            DeviceKV(self.runner.kv_caches, self.runner.layout),
             fingerprint_for(loaded),
             pool_observer,
         )
