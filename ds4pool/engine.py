@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
+from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.model.device import select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
@@ -190,6 +191,20 @@ class Engine:
 
     def submit(self, req: Request) -> RequestStream:
         return self.scheduler.submit(req)
+
+    def pin_prefix(self, tenant: str, token_ids: list[int], timeout: float = 600.0) -> PrefixInfo:
+        """Pin a prefix (a system prompt's tokens) for a tenant's sessions to share, and
+        compute it now if its blocks are not on the device (one request without a session).
+        Blocking: call it from a worker thread. ValueError for a prefix that cannot be
+        pinned (shorter than a block, ids outside the vocabulary, longer than the context)."""
+        info = self.pool.pin_prefix(tenant, token_ids)
+        if info.blocks_on_device < info.num_blocks:
+            warm = Request(tenant=tenant, session_id=None, prompt_ids=token_ids, max_tokens=1)
+            _, _, final = self.submit(warm).collect(timeout=timeout)
+            if final.error is not None:
+                self.pool.unpin_prefix(info.id)
+                raise ValueError(f"the prefix could not be computed: {final.error}")
+        return self.pool.prefix(info.id)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish (cancel them after `timeout`),

@@ -38,7 +38,7 @@ from ds4pool.kv.session import (
     Tier,
     validate_session_id,
 )
-from ds4pool.kv.sharing import PrefixSharing
+from ds4pool.kv.sharing import PrefixInfo, PrefixSharing
 from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.kv.tiers import Tiers
 from ds4pool.kv.transfer import DeviceKV
@@ -387,6 +387,23 @@ class SessionPool:
 
     def usage(self) -> PoolUsage:
         return self.admin.usage()
+
+    def pin_prefix(self, tenant: str, token_ids: Sequence[int]) -> PrefixInfo:
+        """Pin a prefix's blocks (kv/sharing.py); the engine computes it if it is not there."""
+        with self._lock:
+            return self.sharing.pin(tenant, token_ids)
+
+    def unpin_prefix(self, prefix_id: str) -> PrefixInfo:
+        with self._lock:
+            return self.sharing.unpin(prefix_id)
+
+    def prefix(self, prefix_id: str) -> PrefixInfo:
+        with self._lock:
+            return self.sharing.info(prefix_id)
+
+    def pinned_prefixes(self) -> list[PrefixInfo]:
+        with self._lock:
+            return self.sharing.pins()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if tiers, blocks, the block index and budgets disagree."""

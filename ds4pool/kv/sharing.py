@@ -16,13 +16,36 @@ its caller.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ds4pool.errors import OutOfBlocksError
+from ds4pool.errors import Ds4poolError, OutOfBlocksError
 from ds4pool.kv.blocks import BlockTable
 from ds4pool.kv.config import PoolObserver
 from ds4pool.kv.index import BlockIndex, BlockKey
 from ds4pool.kv.session import Session, Tier
 from ds4pool.kv.transfer import DeviceKV, copy_block
+
+
+class PrefixNotFoundError(Ds4poolError):
+    """No pinned prefix with this id."""
+
+
+@dataclass(frozen=True)
+class PrefixInfo:
+    """A pinned prefix, as the admin API shows it."""
+
+    id: str
+    tenant: str
+    num_tokens: int  # tokens given; only full blocks are pinned
+    num_blocks: int  # its full blocks
+    blocks_on_device: int  # of those, leading blocks in the index now
+
+
+@dataclass(frozen=True)
+class _Pin:
+    tenant: str
+    num_tokens: int
+    keys: tuple[BlockKey, ...]
 
 
 class PrefixSharing:
@@ -33,6 +56,7 @@ class PrefixSharing:
         self.kv = kv
         self.block_size = block_size
         self.observer = observer
+        self._pins: dict[str, _Pin] = {}
 
     def chain_for(self, s: Session, ids: Sequence[int], reuse: int) -> list[BlockKey]:
         """Keys of the indexed chain of ids' full blocks, when it reaches past the session's
@@ -109,6 +133,41 @@ class PrefixSharing:
         table.truncate(self.index, n - n % bs)  # lets go of the shared one; a new epoch
         table.blocks.append(fresh)
         return n
+
+    # ------------------------------------------------------------ pinned prefixes
+
+    def pin(self, tenant: str, token_ids: Sequence[int]) -> PrefixInfo:
+        """Keep the full blocks of this prefix on the device once computed, whatever the
+        pressure (as a pinned session's are). Pinning the same prefix twice is one pin."""
+        keys = tuple(self.index.keys(tenant, token_ids))
+        if not keys:
+            raise ValueError(
+                f"a prefix of {len(token_ids)} tokens has no full KV block "
+                f"({self.block_size} tokens) to pin"
+            )
+        pin_id = keys[-1].hex()[:16]
+        self._pins[pin_id] = _Pin(tenant, len(token_ids), keys)
+        self.index.pin(keys)
+        return self.info(pin_id)
+
+    def unpin(self, pin_id: str) -> PrefixInfo:
+        info = self.info(pin_id)
+        pin = self._pins.pop(pin_id)
+        still = {k for p in self._pins.values() for k in p.keys}  # shared with another pin
+        self.index.unpin([k for k in pin.keys if k not in still])
+        return info
+
+    def info(self, pin_id: str) -> PrefixInfo:
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            raise PrefixNotFoundError(f"no pinned prefix {pin_id!r}")
+        on_device = len(self.index.lookup(pin.keys))
+        return PrefixInfo(pin_id, pin.tenant, pin.num_tokens, len(pin.keys), on_device)
+
+    def pins(self) -> list[PrefixInfo]:
+        return [self.info(i) for i in sorted(self._pins)]
+
+    # ------------------------------------------------------------ checks
 
     def check(self, s: Session) -> None:
         """A device session's chain keys name its tokens, and a block it holds that the index
