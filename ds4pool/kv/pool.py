@@ -401,6 +401,11 @@ class SessionPool:
         with self._lock:
             return self.sharing.info(prefix_id)
 
+    def drop_cached_blocks(self) -> int:
+        """Evict every cached block (indexed, held by no session); returns how many."""
+        with self._lock:
+            return self.blocks.evict_all()
+
     def pinned_prefixes(self) -> list[PrefixInfo]:
         with self._lock:
             return self.sharing.pins()
