@@ -67,11 +67,11 @@ class SessionPool:
             fingerprint,
             self.observer,
             self._sessions,
-            self._lock,
+            self._cond,
             lambda: next(self._versions),
         )
         self.admin = SessionAdmin(
-            self._sessions, self._lock, self.tiers, self.blocks, self._discard
+            self._sessions, self._cond, self.tiers, self.blocks, self._discard
         )
         # the tiers' parts, as callers and tests know them
         self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer

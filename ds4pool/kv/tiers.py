@@ -73,7 +73,7 @@ class Tiers:
         fingerprint: ModelFingerprint,
         observer: PoolObserver,
         sessions: dict[SessionKey, Session],
-        lock: threading.RLock,
+        lock: threading.Condition,
         next_version: Callable[[], int],
     ) -> None:
         self.cfg = cfg
@@ -116,8 +116,31 @@ class Tiers:
 
     # ------------------------------------------------------------ down
 
-    def demote(self, s: Session, to: Tier, reason: str) -> None:
-        """Move an idle session's KV down to RAM or disk."""
+    def copy_out(self, s: Session, version: int) -> torch.Tensor | None:
+        """An idle DEVICE session's KV as a new host tensor, copied without the pool lock:
+        the session is leased meanwhile (in_flight, `copying`), so nothing moves, changes
+        or frees its blocks. None if it is not that session at that version any more."""
+        with self._lock:
+            if (
+                self._sessions.get(s.key) is not s
+                or s.in_flight
+                or s.tier is not Tier.DEVICE
+                or s.version != version
+            ):
+                return None
+            assert s.block_table is not None
+            s.in_flight = s.copying = True
+            blocks, n = list(s.block_table.blocks), s.num_computed
+        try:
+            return gather_to_host(self.kv, blocks, n)
+        finally:
+            with self._lock:
+                s.in_flight = s.copying = False
+                self._lock.notify_all()  # acquire() and admin calls waiting for it
+
+    def demote(self, s: Session, to: Tier, reason: str, host: torch.Tensor | None = None) -> None:
+        """Move an idle session's KV down to RAM or disk. `host`: its device KV already
+        copied out (copy_out, at the current version)."""
         assert to in (Tier.RAM, Tier.DISK)
         if s.tier is to or s.tier is Tier.NONE:
             return
@@ -125,7 +148,9 @@ class Tiers:
             return  # already below `to`
         if s.tier is Tier.DEVICE:
             assert s.block_table is not None
-            host = gather_to_host(self.kv, s.block_table.blocks, s.num_computed)
+            if host is None:
+                host = gather_to_host(self.kv, s.block_table.blocks, s.num_computed)
+            assert host.shape[2] == s.num_computed
             s.block_table.release(self.blocks)
             s.block_table = None
             if to is Tier.RAM and self.ram.fits(nbytes(host)):
@@ -339,9 +364,10 @@ class Tiers:
     def persist(self, key: SessionKey) -> bool:
         """Write a snapshot of an idle session if it changed since the last one, and settle
         its spill if it has one. Called from the writer thread, by flush() and by an admin
-        evict to disk; the disk write runs without the pool lock."""
+        evict to disk; the device → host copy and the disk write run without the pool lock."""
         if self.order is None:
             return False
+        host: torch.Tensor | None = None
         with self._lock:
             s = self._sessions.get(key)
             if s is None or s.in_flight or s.tier not in (Tier.DEVICE, Tier.RAM):
@@ -350,13 +376,15 @@ class Tiers:
             if not s.dirty:
                 self._settle(s, written=True)
                 return False
-            if s.tier is Tier.DEVICE:
-                assert s.block_table is not None
-                host = gather_to_host(self.kv, s.block_table.blocks, s.num_computed)
-            else:
-                assert s.host_kv is not None
+            version = s.version
+            if s.tier is Tier.RAM:
                 host = s.host_kv  # never modified in place: truncation replaces it
-            snap, version, n = self.snapshot(s, host), s.version, s.num_computed
+        if host is None:
+            host = self.copy_out(s, version)
+        with self._lock:
+            if host is None or self._sessions.get(key) is not s or s.version != version:
+                return False  # it changed or is in use: its next persist catches up
+            snap, n = self.snapshot(s, host), s.num_computed
         written = self.order.write(snap, version)
         with self._lock:
             if self._sessions.get(key) is s and s.version == version:
