@@ -26,15 +26,20 @@ class Prefetcher:
         self._queue: deque[SessionKey] = deque()
         self._pending: set[SessionKey] = set()  # queued or being read
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="ds4pool-prefetch", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first request
 
     def request(self, key: SessionKey) -> None:
         with self._cond:
-            if key not in self._pending and not self._stopping:
-                self._pending.add(key)
-                self._queue.append(key)
-                self._cond.notify_all()
+            if key in self._pending or self._stopping:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ds4pool-prefetch", daemon=True
+                )
+                self._thread.start()
+            self._pending.add(key)
+            self._queue.append(key)
+            self._cond.notify_all()
 
     def pending(self, key: SessionKey) -> bool:
         with self._cond:
@@ -50,7 +55,8 @@ class Prefetcher:
             self._stopping = True
             self._queue.clear()
             self._cond.notify_all()
-        self._thread.join(timeout=60)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
 
     def _run(self) -> None:
         while True:

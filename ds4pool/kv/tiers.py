@@ -13,7 +13,9 @@ The one KV copy of a session moves, never two live:
   tokens and re-prefills), counted as a snapshot error; so does a spill past
   `spill_bytes` of host copies already waiting for the writer.
 - A DISK session whose request is queued is read ahead (`read_ahead`, on the prefetch
-  thread, off the pool lock) into the RAM LRU, so the step thread only copies host → device.
+  thread, off the pool lock) into the RAM LRU; the pool then places it on the device there
+  too when free blocks allow (`SessionPool.restore_ahead`), so the step thread copies
+  nothing, or at most host → device.
 - Disk over budget → the LRU snapshot file is deleted; a session living only there is gone.
 - A DISK-tier session keeps only its index entry in memory; its tokens and text are read
   back with its KV (`load`).
@@ -39,7 +41,6 @@ from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.config import PoolConfig, PoolObserver
 from ds4pool.kv.disk import DiskEntry, DiskTier
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
-from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import Session, SessionKey, Tier
 from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
@@ -102,7 +103,6 @@ class Tiers:
             if self.disk
             else None
         )
-        self.prefetcher = Prefetcher(self.read_ahead) if self.disk else None
         self._spills: dict[SessionKey, Spill] = {}
 
     def _index_disk(self, disk: DiskTier) -> None:
@@ -252,20 +252,11 @@ class Tiers:
         if s.tier is Tier.RAM:
             s.disk_read_s = time.perf_counter() - t0
 
-    def prefetch(self, key: SessionKey) -> bool:
-        """Ask for a read-ahead of a DISK session; True while one is queued or running."""
-        if self.prefetcher is None:
-            return False
-        with self._lock:
-            s = self._sessions.get(key)
-            if s is not None and s.tier is Tier.DISK and not s.in_flight:
-                self.prefetcher.request(key)
-        return self.prefetcher.pending(key)
-
     def read_ahead(self, key: SessionKey) -> None:
         """The prefetch thread's job: disk → host buffer (read, checksum, decode) off the pool
         lock, then file the copy in the RAM LRU, unless the session moved meanwhile."""
-        assert self.disk is not None
+        if self.disk is None:
+            return
         with self._lock:
             s = self._sessions.get(key)
             if s is None or s.tier is not Tier.DISK or s.in_flight:
@@ -336,11 +327,18 @@ class Tiers:
             assert s.host_kv is not None
             self.ram.put(s.key, s.host_kv)
 
-    def finish_restore(self, s: Session, move: RestoreMove, table: BlockTable) -> None:
-        """Copy the host KV into the table's blocks (allocated by the pool); now DEVICE."""
+    def copy_in(self, s: Session, move: RestoreMove, table: BlockTable) -> None:
+        """Copy the host KV into the table's blocks (allocated by the pool)."""
         if move.src is Tier.RAM:
             assert s.host_kv is not None
             scatter_from_host(self.kv, s.host_kv, table.blocks, s.num_computed)
+
+    def finish_restore(
+        self, s: Session, move: RestoreMove, table: BlockTable, copied: bool = False
+    ) -> None:
+        """The session is DEVICE now, its KV copied in (here, unless `copied`)."""
+        if not copied:
+            self.copy_in(s, move, table)
         s.host_kv = None
         s.block_table, s.tier = table, Tier.DEVICE
         if move.came_from is not Tier.NONE:
@@ -428,9 +426,7 @@ class Tiers:
         return sum(self.persist(k) for k in keys)
 
     def close(self) -> None:
-        """Stop reading ahead, flush to disk and stop the writer (clean shutdown)."""
-        if self.prefetcher:
-            self.prefetcher.stop()
+        """Flush to disk and stop the writer (clean shutdown)."""
         self.flush()
         if self.writer:
             self.writer.stop()
