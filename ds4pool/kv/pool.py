@@ -61,6 +61,7 @@ class SessionPool:
         self._cond = threading.Condition(self._lock)
         self._sessions: dict[SessionKey, Session] = {}
         self._versions = itertools.count(1)
+        self.prefetcher = Prefetcher(self._bring_up)  # and the reaper of host tensors
         self.tiers = Tiers(
             cfg,
             kv,
@@ -70,13 +71,13 @@ class SessionPool:
             self._sessions,
             self._cond,
             lambda: next(self._versions),
+            self.prefetcher.reap,
         )
         self.admin = SessionAdmin(
             self._sessions, self._cond, self.tiers, self.blocks, self._discard
         )
         # the tiers' parts, as callers and tests know them
         self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer
-        self.prefetcher = Prefetcher(self._bring_up)
 
     # ------------------------------------------------------------ request lifecycle
 

@@ -76,6 +76,7 @@ class Tiers:
         sessions: dict[SessionKey, Session],
         lock: threading.Condition,
         next_version: Callable[[], int],
+        reap: Callable[[torch.Tensor], None] = lambda t: None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -85,6 +86,7 @@ class Tiers:
         self._sessions = sessions
         self._lock = lock
         self._next_version = next_version
+        self._reap = reap  # frees a dropped host tensor off the lock (the prefetch thread)
         self.ram = RamTier(cfg.ram_bytes, self._on_ram_evict)
         self.disk: DiskTier | None = None
         self.order: SnapshotOrder | None = None
@@ -186,14 +188,19 @@ class Tiers:
 
     def _spilled(self, s: Session, reason: str) -> None:
         """The newest snapshot holds this session's state: only its index entry stays."""
-        s.host_kv = None
+        self._drop_host(s)
         s.num_persisted = s.num_computed
         s.tier, s.loaded = Tier.DISK, False
         s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
         self.observer.session_moved("ram", "disk", reason)
 
-    def _lose(self, s: Session, reason: str) -> None:
+    def _drop_host(self, s: Session) -> None:
+        if s.host_kv is not None:
+            self._reap(s.host_kv)
         s.host_kv = None
+
+    def _lose(self, s: Session, reason: str) -> None:
+        self._drop_host(s)
         s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
         self.observer.session_moved("ram", "none", reason)
 
@@ -232,7 +239,8 @@ class Tiers:
     def forget(self, s: Session) -> None:
         """Drop a session's host copy and its snapshot (its device blocks are the pool's)."""
         self.ram.pop(s.key)
-        s.host_kv, s.tier = None, Tier.NONE
+        self._drop_host(s)
+        s.tier = Tier.NONE
         if self.order is not None and not s.ephemeral:
             self.order.drop(s.key, self._next_version())
 
@@ -339,7 +347,7 @@ class Tiers:
         """The session is DEVICE now, its KV copied in (here, unless `copied`)."""
         if not copied:
             self.copy_in(s, move, table)
-        s.host_kv = None
+        self._drop_host(s)
         s.block_table, s.tier = table, Tier.DEVICE
         if move.came_from is not Tier.NONE:
             seconds = time.perf_counter() - move.started + (s.disk_read_s or 0.0)
