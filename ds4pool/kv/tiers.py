@@ -335,18 +335,26 @@ class Tiers:
             assert s.host_kv is not None
             self.ram.put(s.key, s.host_kv)
 
-    def copy_in(self, s: Session, move: RestoreMove, table: BlockTable) -> None:
-        """Copy the host KV into the table's blocks (allocated by the pool)."""
+    def copy_in(self, s: Session, move: RestoreMove, table: BlockTable, start: int = 0) -> None:
+        """Copy the host KV into the table's blocks (allocated by the pool) from token
+        `start` on (a block boundary: the blocks before it are already there)."""
         if move.src is Tier.RAM:
-            assert s.host_kv is not None
-            scatter_from_host(self.kv, s.host_kv, table.blocks, s.num_computed)
+            assert s.host_kv is not None and start % self.cfg.block_size == 0
+            rest = table.blocks[start // self.cfg.block_size :]
+            scatter_from_host(self.kv, s.host_kv[:, :, start:], rest, s.num_computed - start)
 
     def finish_restore(
-        self, s: Session, move: RestoreMove, table: BlockTable, copied: bool = False
+        self,
+        s: Session,
+        move: RestoreMove,
+        table: BlockTable,
+        start: int = 0,
+        copied: bool = False,
     ) -> None:
-        """The session is DEVICE now, its KV copied in (here, unless `copied`)."""
+        """The session is DEVICE now, its KV copied in from `start` (here, unless
+        `copied`: the caller ran copy_in without the pool lock)."""
         if not copied:
-            self.copy_in(s, move, table)
+            self.copy_in(s, move, table, start)
         self._drop_host(s)
         s.block_table, s.tier = table, Tier.DEVICE
         if move.came_from is not Tier.NONE:
