@@ -25,12 +25,14 @@ from ds4pool.kv.session import (
 )
 from ds4pool.kv.tiers import Tiers
 
+COPY_WAIT_S = 30.0  # the longest an admin call waits for a snapshot's copy of a session
+
 
 class SessionAdmin:
     def __init__(
         self,
         sessions: dict[SessionKey, Session],
-        lock: threading.RLock,
+        lock: threading.Condition,
         tiers: Tiers,
         blocks: BlockIndex,
         discard: Callable[[Session], None],
@@ -63,7 +65,9 @@ class SessionAdmin:
 
     def _idle(self, tenant: str, session_id: str) -> Session:
         s = self._sessions.get((tenant, session_id))
-        if s is None or s.ephemeral:
+        # a copy of its KV for a snapshot (tiers.copy_out) holds it briefly: not a request
+        self._lock.wait_for(lambda: not s or not s.copying, COPY_WAIT_S)
+        if s is None or s.ephemeral or self._sessions.get(s.key) is not s:
             raise SessionNotFoundError(f"no session {session_id!r}")
         if s.in_flight:
             raise SessionBusyError(f"session {session_id!r} has a request in flight")
@@ -78,7 +82,12 @@ class SessionAdmin:
             raise ValueError("no disk tier is configured (--kv-disk-dir)")
         with self._lock:
             s = self._idle(tenant, session_id)
-            self._tiers.demote(s, target, "admin")
+            version = s.version
+        host = self._tiers.copy_out(s, version)  # device → host without the pool lock
+        with self._lock:
+            s = self._idle(tenant, session_id)
+            current = host is not None and s.tier is Tier.DEVICE and s.version == version
+            self._tiers.demote(s, target, "admin", host if current else None)
         if target is Tier.DISK:
             self._tiers.persist(s.key)  # the write of its spill, here, off the pool lock
         with self._lock:

@@ -28,6 +28,7 @@ from ds4pool.kv.admin import SessionAdmin
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
 from ds4pool.kv.index import BlockIndex
+from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
 from ds4pool.kv.session import (
     PrefixMatch,
@@ -69,6 +70,7 @@ class SessionPool:
         self._cond = threading.Condition(self._lock)
         self._sessions: dict[SessionKey, Session] = {}
         self._versions = itertools.count(1)
+        self.prefetcher = Prefetcher(self._bring_up)  # and the reaper of host tensors
         self.tiers = Tiers(
             cfg,
             kv,
@@ -76,11 +78,12 @@ class SessionPool:
             fingerprint,
             self.observer,
             self._sessions,
-            self._lock,
+            self._cond,
             lambda: next(self._versions),
+            self.prefetcher.reap,
         )
         self.admin = SessionAdmin(
-            self._sessions, self._lock, self.tiers, self.blocks, self._discard
+            self._sessions, self._cond, self.tiers, self.blocks, self._discard
         )
         # the tiers' parts, as callers and tests know them
         self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer
@@ -115,11 +118,21 @@ class SessionPool:
                 self._cond.wait(left)
 
     def prefetch(self, tenant: str, session_id: str | None) -> bool:
-        """Start reading a disk session's snapshot ahead of its request (kv/prefetch.py);
-        True while that read is queued or running: admit the request after it."""
+        """Start bringing an idle disk or RAM session up ahead of its request, on the
+        prefetch thread (kv/prefetch.py); True while that is queued or running: admit the
+        request after it, and its restore has nothing (or only the host → device copy) left."""
         if session_id is None:
             return False
-        return self.tiers.prefetch((tenant, session_id))
+        key = (tenant, session_id)
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is not None and s.tier in (Tier.DISK, Tier.RAM) and not s.in_flight:
+                self.prefetcher.request(key)
+        return self.prefetcher.pending(key)
+
+    def _bring_up(self, key: SessionKey) -> None:
+        self.tiers.read_ahead(key)
+        self.restore_ahead(key)
 
     def release(self, s: Session) -> None:
         """End the request's lease; ephemeral sessions are discarded."""
@@ -235,6 +248,38 @@ class SessionPool:
                 raise
             self.tiers.finish_restore(s, move, table, start=shared)
             self.sharing.restored_into(s, table)
+
+    def restore_ahead(self, key: SessionKey) -> None:
+        """Put an idle RAM session's KV on the device now, on the calling (prefetch) thread,
+        if free blocks allow it without demoting anyone; its request's restore() then finds
+        it there. The copy runs without the pool lock, the session leased meanwhile."""
+        with self._cond:
+            s = self._sessions.get(key)
+            if s is None or s.in_flight or s.tier is not Tier.RAM or s.host_kv is None:
+                return
+            table = BlockTable(self.cfg.block_size)
+            if table.blocks_needed(s.num_computed) > self.blocks.num_free:
+                return  # no room without demotions: the step thread's restore decides
+            move = self.tiers.begin_restore(s)
+            shared = self.sharing.share_for_restore(s, table)  # only the rest is copied
+            table.ensure(self.blocks, s.num_computed)
+            s.block_table = table  # held by the session while copying (check_integrity)
+            s.in_flight = s.copying = True
+        try:
+            self.tiers.copy_in(s, move, table, start=shared)
+        except BaseException:
+            with self._cond:
+                table.release(self.blocks)
+                s.block_table = None
+                self.tiers.abort_restore(s, move)
+                s.in_flight = s.copying = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self.tiers.finish_restore(s, move, table, start=shared, copied=True)
+            self.sharing.restored_into(s, table)
+            s.in_flight = s.copying = False
+            self._cond.notify_all()
 
     def ensure_blocks(self, s: Session, num_tokens: int) -> None:
         """Give a device session room for num_tokens tokens of KV, demoting idle sessions
@@ -364,6 +409,8 @@ class SessionPool:
         return self.tiers.flush()
 
     def close(self) -> None:
+        """Stop bringing sessions up, flush to disk, stop the writer (clean shutdown)."""
+        self.prefetcher.stop()
         self.tiers.close()
 
     # ------------------------------------------------------------ introspection / admin
@@ -421,6 +468,9 @@ class SessionPool:
                     assert s.block_table.capacity >= s.num_computed
                     holders.update(s.block_table.blocks)
                     self.sharing.check(s)
+                elif s.copying and s.block_table is not None:  # restore_ahead under way
+                    assert s.tier is Tier.RAM and s.in_flight
+                    holders.update(s.block_table.blocks)
                 else:
                     assert s.block_table is None, s.key
                 if s.tier is Tier.RAM:

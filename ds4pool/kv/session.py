@@ -81,6 +81,7 @@ class Session:
     hits: int = 0  # requests that reused cached tokens
     pinned: bool = False
     in_flight: bool = False
+    copying: bool = False  # in_flight for a copy of its device KV off the pool lock (tiers)
     ephemeral: bool = False  # discarded when its request ends (no X-Session-Id)
     num_persisted: int = 0  # num_computed covered by the newest snapshot on disk (0 = none)
     version: int = 0  # bumped (pool-wide counter) whenever tokens or KV change

@@ -13,7 +13,9 @@ The one KV copy of a session moves, never two live:
   tokens and re-prefills), counted as a snapshot error; so does a spill past
   `spill_bytes` of host copies already waiting for the writer.
 - A DISK session whose request is queued is read ahead (`read_ahead`, on the prefetch
-  thread, off the pool lock) into the RAM LRU, so the step thread only copies host → device.
+  thread, off the pool lock) into the RAM LRU; the pool then places it on the device there
+  too when free blocks allow (`SessionPool.restore_ahead`), so the step thread copies
+  nothing, or at most host → device.
 - Disk over budget → the LRU snapshot file is deleted; a session living only there is gone.
 - A DISK-tier session keeps only its index entry in memory; its tokens and text are read
   back with its KV (`load`).
@@ -43,7 +45,6 @@ from ds4pool.kv.config import PoolConfig, PoolObserver
 from ds4pool.kv.disk import DiskEntry, DiskTier
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
-from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import Session, SessionKey, Tier
 from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
@@ -77,8 +78,9 @@ class Tiers:
         fingerprint: ModelFingerprint,
         observer: PoolObserver,
         sessions: dict[SessionKey, Session],
-        lock: threading.RLock,
+        lock: threading.Condition,
         next_version: Callable[[], int],
+        reap: Callable[[torch.Tensor], None] = lambda t: None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -88,6 +90,7 @@ class Tiers:
         self._sessions = sessions
         self._lock = lock
         self._next_version = next_version
+        self._reap = reap  # frees a dropped host tensor off the lock (the prefetch thread)
         self.ram = RamTier(cfg.ram_bytes, self._on_ram_evict)
         self.disk: DiskTier | None = None
         self.order: SnapshotOrder | None = None
@@ -106,7 +109,6 @@ class Tiers:
             if self.disk
             else None
         )
-        self.prefetcher = Prefetcher(self.read_ahead) if self.disk else None
         self._spills: dict[SessionKey, Spill] = {}
 
     def _index_disk(self, disk: DiskTier) -> None:
@@ -120,8 +122,31 @@ class Tiers:
 
     # ------------------------------------------------------------ down
 
-    def demote(self, s: Session, to: Tier, reason: str) -> None:
-        """Move an idle session's KV down to RAM or disk."""
+    def copy_out(self, s: Session, version: int) -> torch.Tensor | None:
+        """An idle DEVICE session's KV as a new host tensor, copied without the pool lock:
+        the session is leased meanwhile (in_flight, `copying`), so nothing moves, changes
+        or frees its blocks. None if it is not that session at that version any more."""
+        with self._lock:
+            if (
+                self._sessions.get(s.key) is not s
+                or s.in_flight
+                or s.tier is not Tier.DEVICE
+                or s.version != version
+            ):
+                return None
+            assert s.block_table is not None
+            s.in_flight = s.copying = True
+            blocks, n = list(s.block_table.blocks), s.num_computed
+        try:
+            return gather_to_host(self.kv, blocks, n)
+        finally:
+            with self._lock:
+                s.in_flight = s.copying = False
+                self._lock.notify_all()  # acquire() and admin calls waiting for it
+
+    def demote(self, s: Session, to: Tier, reason: str, host: torch.Tensor | None = None) -> None:
+        """Move an idle session's KV down to RAM or disk. `host`: its device KV already
+        copied out (copy_out, at the current version)."""
         assert to in (Tier.RAM, Tier.DISK)
         if s.tier is to or s.tier is Tier.NONE:
             return
@@ -129,7 +154,9 @@ class Tiers:
             return  # already below `to`
         if s.tier is Tier.DEVICE:
             assert s.block_table is not None
-            host = gather_to_host(self.kv, s.block_table.blocks, s.num_computed)
+            if host is None:
+                host = gather_to_host(self.kv, s.block_table.blocks, s.num_computed)
+            assert host.shape[2] == s.num_computed
             s.block_table.release(self.blocks)
             s.block_table = None
             if to is Tier.RAM and self.ram.fits(nbytes(host)):
@@ -165,15 +192,20 @@ class Tiers:
 
     def _spilled(self, s: Session, reason: str) -> None:
         """The newest snapshot holds this session's state: only its index entry stays."""
-        s.host_kv = None
+        self._drop_host(s)
         s.num_persisted = s.num_computed
         s.tier, s.loaded = Tier.DISK, False
         s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
         s.block_keys = []
         self.observer.session_moved("ram", "disk", reason)
 
-    def _lose(self, s: Session, reason: str) -> None:
+    def _drop_host(self, s: Session) -> None:
+        if s.host_kv is not None:
+            self._reap(s.host_kv)
         s.host_kv = None
+
+    def _lose(self, s: Session, reason: str) -> None:
+        self._drop_host(s)
         s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
         self.observer.session_moved("ram", "none", reason)
 
@@ -212,7 +244,8 @@ class Tiers:
     def forget(self, s: Session) -> None:
         """Drop a session's host copy and its snapshot (its device blocks are the pool's)."""
         self.ram.pop(s.key)
-        s.host_kv, s.tier = None, Tier.NONE
+        self._drop_host(s)
+        s.tier = Tier.NONE
         if self.order is not None and not s.ephemeral:
             self.order.drop(s.key, self._next_version())
 
@@ -232,20 +265,11 @@ class Tiers:
         if s.tier is Tier.RAM:
             s.disk_read_s = time.perf_counter() - t0
 
-    def prefetch(self, key: SessionKey) -> bool:
-        """Ask for a read-ahead of a DISK session; True while one is queued or running."""
-        if self.prefetcher is None:
-            return False
-        with self._lock:
-            s = self._sessions.get(key)
-            if s is not None and s.tier is Tier.DISK and not s.in_flight:
-                self.prefetcher.request(key)
-        return self.prefetcher.pending(key)
-
     def read_ahead(self, key: SessionKey) -> None:
         """The prefetch thread's job: disk → host buffer (read, checksum, decode) off the pool
         lock, then file the copy in the RAM LRU, unless the session moved meanwhile."""
-        assert self.disk is not None
+        if self.disk is None:
+            return
         with self._lock:
             s = self._sessions.get(key)
             if s is None or s.tier is not Tier.DISK or s.in_flight:
@@ -317,17 +341,27 @@ class Tiers:
             assert s.host_kv is not None
             self.ram.put(s.key, s.host_kv)
 
-    def finish_restore(
-        self, s: Session, move: RestoreMove, table: BlockTable, start: int = 0
-    ) -> None:
+    def copy_in(self, s: Session, move: RestoreMove, table: BlockTable, start: int = 0) -> None:
         """Copy the host KV into the table's blocks (allocated by the pool) from token
-        `start` on (a block boundary: the blocks before it are shared, already there); now
-        DEVICE."""
+        `start` on (a block boundary: the blocks before it are already there)."""
         if move.src is Tier.RAM:
             assert s.host_kv is not None and start % self.cfg.block_size == 0
             rest = table.blocks[start // self.cfg.block_size :]
             scatter_from_host(self.kv, s.host_kv[:, :, start:], rest, s.num_computed - start)
-        s.host_kv = None
+
+    def finish_restore(
+        self,
+        s: Session,
+        move: RestoreMove,
+        table: BlockTable,
+        start: int = 0,
+        copied: bool = False,
+    ) -> None:
+        """The session is DEVICE now, its KV copied in from `start` (here, unless
+        `copied`: the caller ran copy_in without the pool lock)."""
+        if not copied:
+            self.copy_in(s, move, table, start)
+        self._drop_host(s)
         s.block_table, s.tier = table, Tier.DEVICE
         if move.came_from is not Tier.NONE:
             seconds = time.perf_counter() - move.started + (s.disk_read_s or 0.0)
@@ -350,9 +384,10 @@ class Tiers:
     def persist(self, key: SessionKey) -> bool:
         """Write a snapshot of an idle session if it changed since the last one, and settle
         its spill if it has one. Called from the writer thread, by flush() and by an admin
-        evict to disk; the disk write runs without the pool lock."""
+        evict to disk; the device → host copy and the disk write run without the pool lock."""
         if self.order is None:
             return False
+        host: torch.Tensor | None = None
         with self._lock:
             s = self._sessions.get(key)
             if s is None or s.in_flight or s.tier not in (Tier.DEVICE, Tier.RAM):
@@ -361,13 +396,15 @@ class Tiers:
             if not s.dirty:
                 self._settle(s, written=True)
                 return False
-            if s.tier is Tier.DEVICE:
-                assert s.block_table is not None
-                host = gather_to_host(self.kv, s.block_table.blocks, s.num_computed)
-            else:
-                assert s.host_kv is not None
+            version = s.version
+            if s.tier is Tier.RAM:
                 host = s.host_kv  # never modified in place: truncation replaces it
-            snap, version, n = self.snapshot(s, host), s.version, s.num_computed
+        if host is None:
+            host = self.copy_out(s, version)
+        with self._lock:
+            if host is None or self._sessions.get(key) is not s or s.version != version:
+                return False  # it changed or is in use: its next persist catches up
+            snap, n = self.snapshot(s, host), s.num_computed
         written = self.order.write(snap, version)
         with self._lock:
             if self._sessions.get(key) is s and s.version == version:
@@ -411,9 +448,7 @@ class Tiers:
         return sum(self.persist(k) for k in keys)
 
     def close(self) -> None:
-        """Stop reading ahead, flush to disk and stop the writer (clean shutdown)."""
-        if self.prefetcher:
-            self.prefetcher.stop()
+        """Flush to disk and stop the writer (clean shutdown)."""
         self.flush()
         if self.writer:
             self.writer.stop()

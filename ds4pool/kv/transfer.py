@@ -51,6 +51,10 @@ def gather_to_host(kv: DeviceKV, blocks: Sequence[int], num_tokens: int) -> torc
     if num_tokens == 0:
         return out
     slots = torch.tensor(kv.layout.slots(blocks, 0, num_tokens), device=kv.device)
+    if kv.device.type == "cpu":  # straight into the host tensor: one pass over the bytes
+        for layer, cache in enumerate(kv.caches):
+            torch.index_select(kv.layout.token_view(cache), 1, slots, out=out[layer])
+        return out
     staged = torch.stack([kv.layout.token_view(c).index_select(1, slots) for c in kv.caches])
     out.copy_(staged, non_blocking=kv.device.type == "cuda")
     if kv.device.type == "cuda":
