@@ -119,8 +119,9 @@ class SessionPool:
 
     def prefetch(self, tenant: str, session_id: str | None) -> bool:
         """Start bringing an idle disk or RAM session up ahead of its request, on the
-        prefetch thread (kv/prefetch.py); True while that is queued or running: admit the
-        request after it, and its restore has nothing (or only the host → device copy) left."""
+        prefetch thread (kv/prefetch.py); True if one is queued or running now. Admit the
+        request once `prefetching` is False: its restore then has nothing (or only the host
+        → device copy) left."""
         if session_id is None:
             return False
         key = (tenant, session_id)
@@ -129,6 +130,10 @@ class SessionPool:
             if s is not None and s.tier in (Tier.DISK, Tier.RAM) and not s.in_flight:
                 self.prefetcher.request(key)
         return self.prefetcher.pending(key)
+
+    def prefetching(self, tenant: str, session_id: str | None) -> bool:
+        """True while a bring-up of the session is queued or running."""
+        return session_id is not None and self.prefetcher.pending((tenant, session_id))
 
     def _bring_up(self, key: SessionKey) -> None:
         self.tiers.read_ahead(key)

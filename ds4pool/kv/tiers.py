@@ -193,6 +193,7 @@ class Tiers:
     def _spilled(self, s: Session, reason: str) -> None:
         """The newest snapshot holds this session's state: only its index entry stays."""
         self._drop_host(s)
+        s.disk_read_s = None
         s.num_persisted = s.num_computed
         s.tier, s.loaded = Tier.DISK, False
         s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
@@ -275,8 +276,10 @@ class Tiers:
             if s is None or s.tier is not Tier.DISK or s.in_flight:
                 return
             version, num_computed = s.version, s.num_computed
+        t0 = time.perf_counter()
         snap = self.disk.read(*key)
         host = self._host_copy(snap, num_computed)
+        read_s = time.perf_counter() - t0
         with self._lock:
             if self._sessions.get(key) is not s or s.tier is not Tier.DISK or s.in_flight:
                 return  # taken by a request (it loads itself) or dropped: discard the read
@@ -284,8 +287,8 @@ class Tiers:
                 return  # changed, or too large for RAM: the request reads it on its own
             self._install(s, snap, host)
             if host is not None:
+                s.disk_read_s = read_s  # its restore counts as one from disk, read included
                 self.ram.put(key, host)  # may spill older entries (no I/O here)
-                self.observer.session_moved("disk", "ram", "prefetch")
 
     def _host_copy(self, snap: Snapshot | None, num_computed: int) -> torch.Tensor | None:
         """The first num_computed tokens of a snapshot's KV as one host tensor [L, 2, T, H, D]

@@ -27,9 +27,10 @@ from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream,
 from ds4pool.sched.seq import Seq
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
-# A request waits for at most this many read-aheads of its session's snapshot (each can be
-# undone by RAM pressure before admission); after that the step thread reads it itself.
-MAX_READ_AHEADS = 3
+# A request waits for at most this many bring-ups of its session (kv/prefetch.py). One can
+# be undone by RAM pressure before admission, or not fit the RAM tier at all; then the step
+# thread reads the snapshot itself rather than the prefetch thread reading it again.
+MAX_READ_AHEADS = 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class Scheduler:
                 self.observer.rejected(exc.reason)
                 raise
             self.wakeup.notify_all()
-        self.pool.prefetch(req.tenant, req.session_id)  # a disk session: read it ahead
+        if self.pool.prefetch(req.tenant, req.session_id):  # a disk session: read it ahead
+            seq.reads = 1
         return stream
 
     def has_work(self) -> bool:
@@ -260,13 +262,12 @@ class Scheduler:
         session is busy with another request (it stays queued, bounded in time);
         OutOfBlocksError when its blocks do not fit beside the running requests'."""
         if seq.session is None:
-            if seq.reads < MAX_READ_AHEADS:
-                # a disk session's snapshot is read on the prefetch thread, not on this one
-                pending = self.pool.prefetch(seq.tenant, seq.req.session_id)
-                seq.reads += pending and not seq.read_pending
-                seq.read_pending = pending
-                if pending:
-                    return False
+            # a disk session's snapshot is read on the prefetch thread, not on this one
+            if self.pool.prefetching(seq.tenant, seq.req.session_id):
+                return False
+            if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
+                seq.reads += 1
+                return False
             try:
                 seq.session = self.pool.acquire(seq.req.tenant, seq.req.session_id, timeout=0)
             except SessionBusyError:
