@@ -201,7 +201,7 @@ class SessionPool:
                 ids = s.token_ids[:n] + tokenize(prompt_text[c:])
             if prompt_text is not None and prompt_ids is None:
                 marks.append((len(ids), len(prompt_text)))  # the prompt's end
-            s.text_marks = marks
+            s.text_marks = list(dict.fromkeys(marks))  # a request matched again repeats some
             common = 0
             for a, b in zip(ids, s.token_ids):
                 if a != b:

@@ -277,9 +277,15 @@ class Scheduler:
                 return False
         if self.cfg.serialized:
             self.pool.demote_all_but(seq.session, "serialized")
-        if seq.admitted_at is None:
+        matched = seq.admitted_at is None
+        if matched:
             self._match(seq)
-        room.take(seq)  # raises OutOfBlocksError: the request waits, nobody is preempted
+        try:
+            room.take(seq)  # raises OutOfBlocksError: the request waits, nobody is preempted
+        except OutOfBlocksError:
+            if matched:
+                self._keep_match(seq)
+            raise
         if seq.admitted_at is None:
             self.observer.admitted(now - seq.arrival)
             seq.admitted_at = now
@@ -319,6 +325,17 @@ class Scheduler:
         seq.rollback_text = old_text if keeps_text else ""
         seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
         seq.start_decoding(self.tokenizer, vocab)
+
+    def _keep_match(self, seq: Seq) -> None:
+        """seq was matched but waits for blocks: its session is released meanwhile. Leave
+        the session holding the prompt's tokens as matched (KV for the reused ones) and the
+        text they stand for, so that the next match gives exactly these tokens again.
+        Matching cleared the session's text; without it the next match would re-tokenize the
+        whole prompt, and the reply tokens as sampled are not the text's canonical tokens:
+        the request would compute other token ids than had it not waited."""
+        assert seq.session is not None
+        text = seq.req.prompt_text if seq.req.prompt_text is not None else ""
+        self.pool.commit(seq.session, seq.prompt_ids, text, seq.num_computed)
 
     def _need(self, seq: Seq) -> int:
         """Device blocks seq still needs for its prompt and one block of output."""

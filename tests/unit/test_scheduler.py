@@ -351,3 +351,58 @@ def test_submit_from_many_threads(loaded: LoadedModel) -> None:
     finally:
         e.close()
     assert results == {i: "length" for i in range(12)}
+
+
+def test_a_request_that_waits_for_admission_computes_the_same_tokens(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second turn that does not fit at first (its session matched, then released while
+    it waits) must run on exactly the tokens it would have run on without waiting: the
+    session's reply tokens as sampled plus the new text, not a re-tokenization."""
+    from ds4pool.kv.blocks import OutOfBlocksError
+    from ds4pool.sched import scheduler as sched_mod
+
+    tok = loaded.tokenizer
+    greedy = SamplingParams(temperature=0.0)
+    first = prompts(loaded, 3)[2]
+
+    def turns(e: Engine, sid: str, wait: bool) -> list[tuple[int, list[int]]]:
+        computed: list[tuple[int, list[int]]] = []
+        add = e.scheduler._add
+
+        def record(step, seq, n):  # type: ignore[no-untyped-def]
+            add(step, seq, n)
+            if step.inputs and step.seqs[-1] is seq and seq.req.session_id == sid:
+                computed.append((step.inputs[-1].num_computed, list(step.inputs[-1].token_ids)))
+
+        e.scheduler._add = record  # type: ignore[method-assign]
+        text, _, _ = run_all(e, [Request(session_id=sid, prompt_text=first, max_tokens=24,
+                                         sampling=greedy)])[0]  # fmt: skip
+        second = first + text + tok.apply_chat_template(
+            [{"role": "user", "content": "and now the next file"}]
+        )
+        req = Request(session_id=sid, prompt_text=second, max_tokens=8, sampling=greedy)
+        refused: list[int] = []
+        take = sched_mod._Room.take
+
+        def take_once(room, seq):  # type: ignore[no-untyped-def]
+            if wait and seq.req is req and not refused:
+                refused.append(1)
+                raise OutOfBlocksError("waits (test)")
+            take(room, seq)
+
+        monkeypatch.setattr(sched_mod._Room, "take", take_once)
+        run_all(e, [req])
+        assert refused == ([1] if wait else [])
+        return computed
+
+    runs = []
+    for wait in (False, True):  # one engine each: the block index would share turn 1
+        e = engine(loaded)
+        try:
+            runs.append(turns(e, "s", wait))
+            e.pool.check_integrity()
+        finally:
+            e.close()
+    straight, waited = runs
+    assert waited == straight
