@@ -280,3 +280,30 @@ def _no_leaked_threads() -> Iterator[None]:
     yield
     leaked = {t.name for t in threading.enumerate() if t.is_alive()} - before
     assert not {n for n in leaked if n.startswith("ds4pool-")}, leaked
+
+
+def test_a_disk_session_with_no_ram_tier_gets_its_second_turn(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    """--kv-ram-gb 0: a read ahead can never stick in RAM (the session does not fit), so
+    the request must not wait for bring-ups over and over: the step thread reads it."""
+    def run(e: Engine, prompt: str) -> list[int]:
+        stream = e.submit(Request(session_id="s", prompt_text=prompt, max_tokens=6))
+        text, ids, final = stream.collect(timeout=30)
+        assert final.error is None, final.error
+        return ids
+
+    first, second = "one two three four five six", " and seven eight nine"
+    e = Engine(EngineConfig(kv_device_gb=0.01, kv_disk_dir=tmp_path / "a"), loaded=loaded)
+    baseline = [run(e, first), run(e, first + second)]
+    e.close()
+    cfg = EngineConfig(kv_device_gb=0.01, kv_ram_gb=0, kv_disk_dir=tmp_path / "b")
+    e = Engine(cfg, loaded=loaded)
+    try:
+        out = [run(e, first)]
+        e.pool.evict("default", "s", "disk")
+        out.append(run(e, first + second))  # waited forever before the fix
+        assert out == baseline
+        e.pool.check_integrity()
+    finally:
+        e.close()
