@@ -60,7 +60,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for  # noqa: E402
+from ds4pool.engine import fingerprint_for  # noqa: E402
+from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool  # noqa: E402
 from ds4pool.kv.session import Session  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
@@ -174,7 +175,12 @@ class Bench:
             persist_idle_s=0,
             persist_every_tokens=0,
         )
-        return SessionPool(cfg, self.runner.kv_caches, fingerprint_for(self.loaded), self.observer)
+        return SessionPool(
+            cfg,
+            DeviceKV(self.runner.kv_caches, self.runner.layout),
+            fingerprint_for(self.loaded),
+            self.observer,
+        )
 
     @property
     def kv_bytes(self) -> int:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for
+from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
+from ds4pool.kv.sharing import PrefixInfo
+from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.model.device import select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
@@ -22,6 +24,22 @@ from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserve
 from ds4pool.sched.worker import Worker
 
 GB = 1 << 30
+
+
+def fingerprint_for(loaded: LoadedModel) -> ModelFingerprint:
+    """What a snapshot's KV depends on: architecture, KV layout and shape, dtype and the
+    weights."""
+    cfg = loaded.config
+    kv_layout, _, heads, dim = cfg.kv_cache
+    return ModelFingerprint(
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        weights_id=loaded.weights_id,
+        kv_layout=kv_layout,
+    )
 
 
 @dataclass(frozen=True)
@@ -134,7 +152,7 @@ class Engine:
                 persist_every_tokens=cfg.kv_persist_every_tokens,
                 acquire_timeout_s=cfg.session_wait_s,
             ),
-            self.runner.kv_caches,
+            DeviceKV(self.runner.kv_caches, self.runner.layout),
             fingerprint_for(loaded),
             pool_observer,
         )
@@ -178,6 +196,20 @@ class Engine:
 
     def submit(self, req: Request) -> RequestStream:
         return self.scheduler.submit(req)
+
+    def pin_prefix(self, tenant: str, token_ids: list[int], timeout: float = 600.0) -> PrefixInfo:
+        """Pin a prefix (a system prompt's tokens) for a tenant's sessions to share, and
+        compute it now if its blocks are not on the device (one request without a session).
+        Blocking: call it from a worker thread. ValueError for a prefix that cannot be
+        pinned (shorter than a block, ids outside the vocabulary, longer than the context)."""
+        info = self.pool.pin_prefix(tenant, token_ids)
+        if info.blocks_on_device < info.num_blocks:
+            warm = Request(tenant=tenant, session_id=None, prompt_ids=token_ids, max_tokens=1)
+            _, _, final = self.submit(warm).collect(timeout=timeout)
+            if final.error is not None:
+                self.pool.unpin_prefix(info.id)
+                raise ValueError(f"the prefix could not be computed: {final.error}")
+        return self.pool.prefix(info.id)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop accepting, let running requests finish (cancel them after `timeout`),

@@ -15,7 +15,8 @@ Who records what:
 - the scheduler observer: steps (batch size, tokens, duration), queue wait, TTFT (by the
   Request's `endpoint`) and inter-token latency, token counters, preemptions, admission
   rejections;
-- the pool observer: tier moves, restore latency, snapshot errors;
+- the pool observer: tier moves, restore latency, snapshot errors, block index hits and
+  evictions;
 - `collect_gauges()` at scrape time: queue depth, running requests, sessions, KV bytes,
   budgets and device blocks (read from the engine, so they can never drift);
 - the HTTP layer, which alone sees every request (validation and auth failures, 429s, the
@@ -254,6 +255,21 @@ class Metrics:
         self.kv_blocks_total = Gauge(
             "ds4pool_kv_blocks_total", "Device KV blocks preallocated.", registry=r
         )
+        self.kv_blocks_indexed = Gauge(
+            "ds4pool_kv_blocks_indexed",
+            "Full device KV blocks in the block index (shareable by content, per tenant).",
+            registry=r,
+        )
+        self.kv_blocks_cached = Gauge(
+            "ds4pool_kv_blocks_cached",
+            "Indexed device KV blocks no session holds (kept for reuse, evicted when needed).",
+            registry=r,
+        )
+        self.kv_blocks_pinned = Gauge(
+            "ds4pool_kv_blocks_pinned",
+            "Indexed device KV blocks of pinned prefixes (never evicted).",
+            registry=r,
+        )
 
         # -- sessions (pool observer)
         self.session_moves = Counter(
@@ -268,6 +284,17 @@ class Metrics:
             "the device). A restore from disk observes both.",
             ["tier"],
             buckets=RESTORE_BUCKETS,
+            registry=r,
+        )
+        self.index_hit_tokens = Counter(
+            "ds4pool_block_index_hit_tokens_total",
+            "Tokens of KV taken from the block index by a prompt or a restore (another "
+            "session's blocks, or this session's other branch) instead of computed or copied.",
+            registry=r,
+        )
+        self.index_evictions = Counter(
+            "ds4pool_block_index_evictions_total",
+            "Cached blocks evicted from the block index to make room on the device.",
             registry=r,
         )
         self.snapshot_errors = Counter(
@@ -285,7 +312,8 @@ class Metrics:
         )
         self.prefix_hit_tokens = Counter(
             "ds4pool_prefix_hit_tokens_total",
-            "Prompt tokens whose KV was reused from the session instead of computed.",
+            "Prompt tokens whose KV was reused (the session's own or shared blocks) instead of "
+            "computed.",
             registry=r,
         )
         self.generation_tokens = Counter(
@@ -446,6 +474,12 @@ class MetricsPoolObserver(PoolObserver):
     def snapshot_error(self, kind: str) -> None:
         self.m.snapshot_errors.labels(snapshot_error_kind(kind)).inc()
 
+    def prefix_shared(self, num_tokens: int) -> None:
+        self.m.index_hit_tokens.inc(num_tokens)
+
+    def blocks_evicted(self, num_blocks: int) -> None:
+        self.m.index_evictions.inc(num_blocks)
+
 
 def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     """Refresh the gauges from the engine's current state (called at scrape time)."""
@@ -477,6 +511,9 @@ def collect_gauges(metrics: Metrics, engine: Engine) -> None:
         metrics.kv_budget_bytes.labels(tier).set(budget)
     metrics.kv_blocks_used.set(u.device_blocks_used)
     metrics.kv_blocks_total.set(u.device_blocks_total)
+    metrics.kv_blocks_indexed.set(u.device_blocks_indexed)
+    metrics.kv_blocks_cached.set(u.device_blocks_cached)
+    metrics.kv_blocks_pinned.set(u.device_blocks_pinned)
 
 
 def render(metrics: Metrics, engine: Engine | None = None) -> bytes:

@@ -32,6 +32,15 @@ def add_sessions_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("tenant")
     ev.add_argument("session_id")
     ev.add_argument("--to", choices=["ram", "disk"], default="ram")
+    pp = act.add_parser("pin-prefix", help="pin a system prompt for a tenant's sessions to share")
+    pp.add_argument("--tenant", default="default")
+    src = pp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--system", help="system prompt text (rendered by the chat template)")
+    src.add_argument("--system-file", type=argparse.FileType("r"), help="... read from a file")
+    src.add_argument("--text-file", type=argparse.FileType("r"), help="raw prompt text")
+    act.add_parser("prefixes", help="pinned prefixes")
+    up = act.add_parser("unpin-prefix", help="let a pinned prefix be evicted again")
+    up.add_argument("prefix_id")
     act.add_parser("flush", help="persist every changed session to disk")
     act.add_parser("pool", help="usage per tier, queue depth")
     p.set_defaults(func=run_sessions)
@@ -62,6 +71,13 @@ def _key(args: argparse.Namespace) -> str:
     return f"/admin/sessions/{quote(args.tenant, safe='')}/{quote(args.session_id, safe='')}"
 
 
+def _prefix_body(args: argparse.Namespace) -> dict[str, Any]:
+    if args.text_file is not None:
+        return {"tenant": args.tenant, "text": args.text_file.read()}
+    system = args.system if args.system is not None else args.system_file.read()
+    return {"tenant": args.tenant, "messages": [{"role": "system", "content": system}]}
+
+
 def run_sessions(args: argparse.Namespace) -> int:
     a = args.action
     if a == "list":
@@ -79,6 +95,13 @@ def run_sessions(args: argparse.Namespace) -> int:
         out = _call(args, "DELETE", _key(args))
     elif a in ("pin", "unpin"):
         out = _call(args, "POST", f"{_key(args)}/{a}")
+    elif a == "pin-prefix":
+        out = _call(args, "POST", "/admin/prefixes", _prefix_body(args))
+    elif a == "prefixes":
+        out = _call(args, "GET", "/admin/prefixes")
+    elif a == "unpin-prefix":
+        prefix_id = urllib.parse.quote(args.prefix_id, safe="")
+        out = _call(args, "DELETE", f"/admin/prefixes/{prefix_id}")
     elif a == "flush":
         out = _call(args, "POST", "/admin/flush")
     else:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ds4pool.kv.pool import PoolConfig, PoolObserver, SessionPool, fingerprint_for
+from ds4pool.engine import fingerprint_for
+from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.session import Session
 from ds4pool.model.loader import LoadedModel
 from ds4pool.model.runner import ModelRunner, SeqInput
@@ -19,6 +20,10 @@ class Turn:
     num_reused: int
     num_computed: int  # prompt tokens computed this turn
     token_ids: list[int]
+
+
+def device_kv(runner: ModelRunner) -> DeviceKV:
+    return DeviceKV(runner.kv_caches, runner.layout)
 
 
 def make_pool(
@@ -34,7 +39,7 @@ def make_pool(
         disk_dir=disk_dir,
         **kw,  # type: ignore[arg-type]
     )
-    return SessionPool(cfg, runner.kv_caches, fingerprint_for(loaded), observer)
+    return SessionPool(cfg, device_kv(runner), fingerprint_for(loaded), observer)
 
 
 def turn(

@@ -19,6 +19,7 @@ from ds4pool.api.body import ApiRequest
 from ds4pool.api.common import ApiState, api_state
 from ds4pool.api.config import ServerConfig
 from ds4pool.api.errors import handle_exception
+from ds4pool.api.prefixes import prefix_router
 from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.api.sessions import admin_router, end_own_session, own_sessions, require_admin
 from ds4pool.engine import Engine
@@ -135,6 +136,7 @@ def create_app(
             own_sessions,
             end_own_session,
             admin_router,
+            prefix_router,
         ],
         lifespan=[lifespan],
         state=State({"api": state}),

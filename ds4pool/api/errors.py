@@ -15,6 +15,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from ds4pool.errors import ChatTemplateError, ContextLengthError, Ds4poolError
 from ds4pool.kv.session import InvalidSessionIdError, SessionBusyError, SessionNotFoundError
+from ds4pool.kv.sharing import PrefixNotFoundError
 from ds4pool.sched.request import QueueFullError
 
 log = logging.getLogger("ds4pool.api")
@@ -103,6 +104,8 @@ def to_api_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc), param="X-Session-Id", code="invalid_session_id")
     if isinstance(exc, SessionNotFoundError):
         return ApiError(404, str(exc), code="session_not_found")
+    if isinstance(exc, PrefixNotFoundError):
+        return ApiError(404, str(exc), code="prefix_not_found")
     if isinstance(exc, SessionBusyError):
         return ApiError(409, str(exc), code="session_busy")
     if isinstance(exc, ContextLengthError):

@@ -129,3 +129,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     priority: int | None = None
+
+
+class PinPrefixRequest(msgspec.Struct, kw_only=True):
+    """POST /admin/prefixes: a prefix (a system prompt) for a tenant's sessions to share.
+    `text` is prompt text as the model sees it; `messages` are rendered by the chat template
+    (without a generation prompt)."""
+
+    tenant: str = "default"
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None

@@ -1,4 +1,7 @@
-"""Session routes: a client's own sessions under /v1/sessions, every tenant's under /admin."""
+"""Session routes: a client's own sessions under /v1/sessions, every tenant's under /admin.
+
+Every call into the pool runs in a worker thread: they take the pool lock (held by the step
+thread during tier moves) and evict / drop / flush may copy KV or write snapshots."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ async def own_sessions(request: HttpRequest) -> dict[str, Any]:
     state = api_state(request)
     tenant = authenticate(request, state)
     engine = state.ready_engine()
-    sessions = engine.pool.list_sessions(tenant=tenant.name)
+    sessions = await anyio.to_thread.run_sync(lambda: engine.pool.list_sessions(tenant.name))
     return {"object": "list", "data": [_public(i) for i in sessions]}
 
 
@@ -38,7 +41,8 @@ async def end_own_session(request: HttpRequest, session_id: FromPath[str]) -> di
     tenant = authenticate(request, state)
     engine = state.ready_engine()
     validate_session_id(session_id)
-    engine.pool.drop(tenant.name, session_id)  # another tenant's id is simply not found
+    # another tenant's id is simply not found
+    await anyio.to_thread.run_sync(engine.pool.drop, tenant.name, session_id)
     return {"id": session_id, "object": "session", "deleted": True}
 
 
@@ -52,8 +56,9 @@ def require_admin(request: HttpRequest) -> None:
         raise ApiError(401, "admin token required (Authorization: Bearer ...)")
 
 
-def _info(request: HttpRequest, tenant: FromPath[str], session_id: FromPath[str]) -> SessionInfo:
-    info = api_state(request).ready_engine().pool.get(tenant, session_id)
+async def _info(request: HttpRequest, tenant: str, session_id: str) -> SessionInfo:
+    pool = api_state(request).ready_engine().pool
+    info = await anyio.to_thread.run_sync(pool.get, tenant, session_id)
     if info is None:
         raise SessionNotFoundError(f"no session {session_id!r} for tenant {tenant!r}")
     return info
@@ -70,7 +75,8 @@ async def admin_list(
     require_admin(request)
     if tier is not None and tier not in TIERS:
         raise ApiError(400, f"tier must be one of {', '.join(TIERS)}", param="tier")
-    sessions = api_state(request).ready_engine().pool.list_sessions(tenant=tenant, tier=tier)
+    pool = api_state(request).ready_engine().pool
+    sessions = await anyio.to_thread.run_sync(pool.list_sessions, tenant, tier)
     page = sessions[offset : offset + limit]
     return {
         "object": "list",
@@ -85,7 +91,7 @@ async def admin_show(
     request: HttpRequest, tenant: FromPath[str], session_id: FromPath[str]
 ) -> dict[str, Any]:
     require_admin(request)
-    return _public(_info(request, tenant, session_id))
+    return _public(await _info(request, tenant, session_id))
 
 
 @post("/sessions/{tenant:str}/{session_id:str}/evict", status_code=200)
@@ -96,7 +102,6 @@ async def admin_evict(
     if data.to not in ("ram", "disk"):
         raise ApiError(400, "'to' must be 'ram' or 'disk'", param="to")
     pool = api_state(request).ready_engine().pool
-    # a demotion copies KV and may write a snapshot: keep it off the event loop
     return _public(await anyio.to_thread.run_sync(pool.evict, tenant, session_id, data.to))
 
 
@@ -105,7 +110,7 @@ async def admin_drop(
     request: HttpRequest, tenant: FromPath[str], session_id: FromPath[str]
 ) -> dict[str, Any]:
     require_admin(request)
-    api_state(request).ready_engine().pool.drop(tenant, session_id)
+    await anyio.to_thread.run_sync(api_state(request).ready_engine().pool.drop, tenant, session_id)
     return {"tenant": tenant, "id": session_id, "deleted": True}
 
 
@@ -114,7 +119,8 @@ async def admin_pin(
     request: HttpRequest, tenant: FromPath[str], session_id: FromPath[str]
 ) -> dict[str, Any]:
     require_admin(request)
-    return _public(api_state(request).ready_engine().pool.set_pinned(tenant, session_id, True))
+    pool = api_state(request).ready_engine().pool
+    return _public(await anyio.to_thread.run_sync(pool.set_pinned, tenant, session_id, True))
 
 
 @post("/sessions/{tenant:str}/{session_id:str}/unpin", status_code=200)
@@ -122,7 +128,8 @@ async def admin_unpin(
     request: HttpRequest, tenant: FromPath[str], session_id: FromPath[str]
 ) -> dict[str, Any]:
     require_admin(request)
-    return _public(api_state(request).ready_engine().pool.set_pinned(tenant, session_id, False))
+    pool = api_state(request).ready_engine().pool
+    return _public(await anyio.to_thread.run_sync(pool.set_pinned, tenant, session_id, False))
 
 
 @get("/pool")
@@ -130,8 +137,9 @@ async def admin_pool(request: HttpRequest) -> dict[str, Any]:
     require_admin(request)
     engine = api_state(request).ready_engine()
     sched = engine.scheduler
+    usage = await anyio.to_thread.run_sync(engine.pool.usage)
     return {
-        **asdict(engine.pool.usage()),
+        **asdict(usage),
         "queue_depth": len(sched.queue),
         "queue_depth_by_priority": {str(k): v for k, v in sched.queue.depth_by_priority().items()},
         "running_requests": len(sched.running),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ds4pool.errors import OutOfBlocksError
 
@@ -65,7 +67,7 @@ class BlockPool:
         for b in blocks:
             self._refcount[b] += 1
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; blocks reaching 0 return to the free list."""
         for b in blocks:
             if self._refcount[b] <= 0:
@@ -82,6 +84,16 @@ class BlockPool:
         for b, count in enumerate(self._refcount):
             assert count >= 0, f"block {b} has refcount {count}"
             assert (count == 0) == (b in free), f"block {b}: refcount {count}, free={b in free}"
+
+
+class BlockSource(Protocol):
+    """What a block table allocates from: a BlockPool, or the BlockIndex over one."""
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def free(self, blocks: Sequence[int]) -> None: ...
+
+    def next_epoch(self) -> int: ...
 
 
 @dataclass
@@ -107,14 +119,20 @@ class BlockTable:
     def blocks_needed(self, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(self.blocks))
 
-    def ensure(self, pool: BlockPool, num_tokens: int) -> None:
+    def ensure(self, pool: BlockSource, num_tokens: int) -> None:
         """Grow to hold num_tokens (all-or-nothing: OutOfBlocksError leaves it unchanged)."""
         new = pool.allocate(self.blocks_needed(num_tokens))
         if not self.epoch:
             self.epoch = pool.next_epoch()
         self.blocks.extend(new)
 
-    def truncate(self, pool: BlockPool, num_tokens: int) -> None:
+    def adopt(self, pool: BlockSource, blocks: Sequence[int]) -> None:
+        """Start an empty table with blocks the caller already holds references to."""
+        assert not self.blocks
+        self.blocks.extend(blocks)
+        self.epoch = pool.next_epoch()
+
+    def truncate(self, pool: BlockSource, num_tokens: int) -> None:
         """Release the blocks past the first num_tokens tokens."""
         keep = -(-num_tokens // self.block_size)
         if keep < len(self.blocks):
@@ -122,5 +140,5 @@ class BlockTable:
             del self.blocks[keep:]
             self.epoch = pool.next_epoch()
 
-    def release(self, pool: BlockPool) -> None:
+    def release(self, pool: BlockSource) -> None:
         self.truncate(pool, 0)

@@ -5,8 +5,11 @@ than `persist_idle_s` (checked on a timer here), an explicit flush, and shutdown
 
 Ordering: every snapshot carries the session's version (a pool-wide counter bumped on
 every change of its tokens/KV). `SnapshotOrder` serialises writes and refuses one older
-than what was last written for the key, so a slow write can never replace a newer
-snapshot or resurrect a dropped session.
+than what was last written or dropped for the key, so a slow write can never replace a
+newer snapshot or resurrect a dropped session.
+
+The same thread writes the snapshots of sessions spilling out of the RAM tier (see
+`tiers.py`): their host copies wait in memory, restorable, until the write lands.
 """
 
 from __future__ import annotations
@@ -14,14 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from ds4pool.kv.disk import DiskTier, DiskWriteError, SnapshotTooLargeError
 from ds4pool.kv.session import SessionKey
 from ds4pool.kv.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from ds4pool.kv.pool import SessionPool
 
 log = logging.getLogger(__name__)
 
@@ -29,38 +29,69 @@ log = logging.getLogger(__name__)
 class SnapshotOrder:
     """Serialises disk writes and keeps, per key, the newest version written or dropped.
 
-    Lock order: the pool lock may be held when entering here; code holding this lock
-    never takes the pool lock."""
+    A drop never waits for a write: it records its version at once (an older write then
+    refuses to start) and deletes the file, or, when a write of that key is under way,
+    leaves the delete to that write, which does it as soon as its rename landed. So a
+    dropped session is never resurrected, and the pool lock (held by callers of drop) is
+    never held across a disk write.
+
+    Lock order: the pool lock may be held when entering drop; `_lock` (the version map,
+    held only for dictionary updates and an unlink) is never held across I/O of a write;
+    `_write_lock` (held across a write) is never taken with the pool lock held: a write may
+    call the disk tier's eviction hook, which takes the pool lock."""
 
     def __init__(self, disk: DiskTier) -> None:
         self.disk = disk
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._newest: dict[SessionKey, int] = {}
+        self._writing: dict[SessionKey, int] = {}  # key → version whose write is under way
 
     def write(self, snap: Snapshot, version: int) -> bool:
         """Write unless a newer version of the key was written or dropped; True if written."""
-        with self._lock:
-            newest = self._newest.get(snap.key, -1)
-            if newest >= version:
-                # versions are unique: equal means this exact state is already on disk
-                return newest == version
+        key = snap.key
+        with self._write_lock:
+            with self._lock:
+                newest = self._newest.get(key, -1)
+                if newest >= version:
+                    # versions are unique: equal means this exact state is already on disk
+                    return newest == version
+                self._writing[key] = version
             try:
                 self.disk.write(snap)
+                written = True
             except (DiskWriteError, SnapshotTooLargeError) as exc:
                 log.warning("snapshot of a session not written: %s", exc)
-                return False  # counted by the disk tier's on_error
-            self._newest[snap.key] = version
-            return True
+                written = False  # counted by the disk tier's on_error
+            with self._lock:
+                del self._writing[key]
+                if self._newest.get(key, -1) > version:  # dropped while we wrote
+                    self.disk.delete(*key)
+                    return False
+                if written:
+                    self._newest[key] = version
+                return written
 
     def drop(self, key: SessionKey, version: int) -> None:
         with self._lock:
             self._newest[key] = version
-            self.disk.delete(*key)
+            if key not in self._writing:
+                self.disk.delete(*key)
 
 
 class PersistWriter:
-    def __init__(self, pool: SessionPool, idle_s: float) -> None:
-        self.pool = pool
+    """The `ds4pool-persist` thread. `persist(key)` writes one session's snapshot (False if
+    there was nothing to write); `idle_keys(idle_s)` lists the sessions dirty and idle that
+    long. Both come from the pool's tiers, so this module knows nothing of the pool."""
+
+    def __init__(
+        self,
+        persist: Callable[[SessionKey], bool],
+        idle_keys: Callable[[float], list[SessionKey]],
+        idle_s: float,
+    ) -> None:
+        self._persist = persist
+        self._idle_keys = idle_keys
         self.idle_s = idle_s
         self._cond = threading.Condition()
         self._queue: deque[SessionKey] = deque()
@@ -102,9 +133,9 @@ class PersistWriter:
                     self._busy = True
             try:
                 if key is not None:
-                    self.pool.persist(key)
+                    self._persist(key)
                 elif self.idle_s > 0:
-                    for idle in self.pool.idle_dirty_keys(self.idle_s):
+                    for idle in self._idle_keys(self.idle_s):
                         self.enqueue(idle)
             except Exception:  # never let the writer die: log and carry on
                 log.exception("persist writer: unexpected error")

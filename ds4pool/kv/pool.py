@@ -1,19 +1,17 @@
 """SessionPool: (tenant, session id) → Session, with KV across device, RAM and disk tiers.
 
-Tier moves (all under the pool lock; the one KV copy of a session moves, never two live):
+The facade the scheduler and the API call. Its roles live in their own modules:
 
-    device ──demote(pressure/evict)──► RAM ──LRU overflow──► disk ──LRU overflow──► gone
-       ▲                                │                      │
-       └────────────── restore ─────────┴──────────────────────┘
+    pool.py    leases (acquire / release), prefix matching, block growth, commit,
+               the choice of which session moves (pressure, preemption), integrity
+    sharing.py which blocks a session shares through the block index (index.py)
+    tiers.py   the moves themselves (demote, to disk, load, restore copies) and snapshots
+    persist.py the writer thread and the ordering of snapshot writes
+    admin.py   list / show / evict / drop / pin / usage for the API and metrics
 
 - Device blocks are needed → the least recently used idle, unpinned device session is
   demoted to RAM (in-flight sessions never are).
-- RAM over budget → its LRU entries go to disk (already-persisted ones are just dropped,
-  dirty ones are written first); a failed write loses that KV (the session keeps its
-  tokens and re-prefills), counted as a snapshot error.
-- Disk over budget → the LRU snapshot file is deleted; a session living only there is gone.
-Persistence is write-behind (see `persist.py`); a DISK-tier session keeps only its index
-entry in memory, its tokens and text are read back with its KV.
+The KV tensors and their layout come in as a `DeviceKV` (kv/ never imports the model).
 """
 
 from __future__ import annotations
@@ -22,123 +20,73 @@ import itertools
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from ds4pool.errors import OutOfBlocksError
+from ds4pool.kv.admin import SessionAdmin
 from ds4pool.kv.blocks import BlockPool, BlockTable
-from ds4pool.kv.disk import DiskEntry, DiskTier
-from ds4pool.kv.persist import PersistWriter, SnapshotOrder
+from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
+from ds4pool.kv.index import BlockIndex
+from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
-from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import (
     PrefixMatch,
     Session,
     SessionBusyError,
     SessionInfo,
     SessionKey,
-    SessionNotFoundError,
     Tier,
     validate_session_id,
 )
-from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
-from ds4pool.kv.transfer import gather_to_host, scatter_from_host
-from ds4pool.model.kv_layout import KVLayout
-from ds4pool.model.loader import LoadedModel
+from ds4pool.kv.sharing import PrefixInfo, PrefixSharing
+from ds4pool.kv.snapshot import ModelFingerprint
+from ds4pool.kv.tiers import Tiers
+from ds4pool.kv.transfer import DeviceKV
 
-
-def fingerprint_for(loaded: LoadedModel) -> ModelFingerprint:
-    """What a snapshot's KV depends on: architecture, KV layout and shape, dtype and the
-    weights."""
-    cfg = loaded.config
-    kv_layout, _, heads, dim = cfg.kv_cache
-    return ModelFingerprint(
-        architecture=cfg.architecture,
-        num_layers=cfg.num_layers,
-        num_kv_heads=heads,
-        head_dim=dim,
-        dtype=str(loaded.dtype).removeprefix("torch."),
-        weights_id=loaded.weights_id,
-        kv_layout=kv_layout,
-    )
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    num_device_blocks: int
-    block_size: int = 16
-    ram_bytes: int = 4 << 30
-    disk_dir: Path | None = None  # None: no disk tier, no persistence
-    disk_bytes: int = 32 << 30
-    persist_idle_s: float = 30.0  # persist a dirty session idle this long (0 disables)
-    persist_every_tokens: int = 4096  # persist when this many new tokens piled up (0 disables)
-    acquire_timeout_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class PoolUsage:
-    device_blocks_used: int
-    device_blocks_total: int
-    device_sessions: int
-    device_bytes: int
-    ram_sessions: int
-    ram_bytes: int
-    ram_budget_bytes: int
-    disk_sessions: int
-    disk_bytes: int
-    disk_budget_bytes: int
-
-
-class PoolObserver:
-    """Hooks for metrics and logs; the default does nothing."""
-
-    def session_moved(self, src: str, dst: str, reason: str) -> None: ...
-
-    def restored(self, tier: str, seconds: float) -> None: ...
-
-    def snapshot_error(self, kind: str) -> None: ...
+__all__ = ["DeviceKV", "PoolConfig", "PoolObserver", "PoolUsage", "SessionPool"]
 
 
 class SessionPool:
     def __init__(
         self,
         cfg: PoolConfig,
-        kv_caches: Sequence[torch.Tensor],
+        kv: DeviceKV,
         fingerprint: ModelFingerprint,
         observer: PoolObserver | None = None,
     ) -> None:
         self.cfg = cfg
-        self.kv_caches = kv_caches
+        self.kv_caches = kv.caches
         self.fingerprint = fingerprint
         self.observer = observer or PoolObserver()
-        self.blocks = BlockPool(cfg.num_device_blocks)
-        self.kv_bytes_per_token = KVLayout.of(kv_caches).bytes_per_token
+        # block tables allocate through the index: it keeps full blocks nobody holds cached
+        # (kv/index.py) and evicts them when the device needs room
+        self.blocks = BlockIndex(
+            BlockPool(cfg.num_device_blocks), cfg.block_size, on_evict=self.observer.blocks_evicted
+        )
+        self.sharing = PrefixSharing(self.blocks, kv, cfg.block_size, self.observer)
+        self.kv_bytes_per_token = kv.layout.bytes_per_token
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._sessions: dict[SessionKey, Session] = {}
         self._versions = itertools.count(1)
-        self.ram = RamTier(cfg.ram_bytes, self._on_ram_evict)
-        self.disk: DiskTier | None = None
-        self.order: SnapshotOrder | None = None
-        if cfg.disk_dir is not None:
-            self.disk = DiskTier(
-                cfg.disk_dir,
-                cfg.disk_bytes,
-                fingerprint,
-                on_error=self.observer.snapshot_error,
-                on_evict=self._on_disk_evict,
-            )
-            self.order = SnapshotOrder(self.disk)
-            for entry in self.disk.entries():
-                s = Session(entry.tenant, entry.session_id, tier=Tier.DISK, loaded=False)
-                s.num_computed = s.num_persisted = entry.num_kv_tokens
-                s.version = s.persisted_version = next(self._versions)
-                s.last_used = entry.last_used
-                self._sessions[s.key] = s
-        self.writer = PersistWriter(self, cfg.persist_idle_s) if self.disk else None
+        self.prefetcher = Prefetcher(self._bring_up)  # and the reaper of host tensors
+        self.tiers = Tiers(
+            cfg,
+            kv,
+            self.blocks,
+            fingerprint,
+            self.observer,
+            self._sessions,
+            self._cond,
+            lambda: next(self._versions),
+            self.prefetcher.reap,
+        )
+        self.admin = SessionAdmin(
+            self._sessions, self._cond, self.tiers, self.blocks, self._discard
+        )
+        # the tiers' parts, as callers and tests know them
+        self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer
 
     # ------------------------------------------------------------ request lifecycle
 
@@ -169,13 +117,35 @@ class SessionPool:
                     )
                 self._cond.wait(left)
 
+    def prefetch(self, tenant: str, session_id: str | None) -> bool:
+        """Start bringing an idle disk or RAM session up ahead of its request, on the
+        prefetch thread (kv/prefetch.py); True if one is queued or running now. Admit the
+        request once `prefetching` is False: its restore then has nothing (or only the host
+        → device copy) left."""
+        if session_id is None:
+            return False
+        key = (tenant, session_id)
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is not None and s.tier in (Tier.DISK, Tier.RAM) and not s.in_flight:
+                self.prefetcher.request(key)
+        return self.prefetcher.pending(key)
+
+    def prefetching(self, tenant: str, session_id: str | None) -> bool:
+        """True while a bring-up of the session is queued or running."""
+        return session_id is not None and self.prefetcher.pending((tenant, session_id))
+
+    def _bring_up(self, key: SessionKey) -> None:
+        self.tiers.read_ahead(key)
+        self.restore_ahead(key)
+
     def release(self, s: Session) -> None:
         """End the request's lease; ephemeral sessions are discarded."""
         with self._cond:
             s.in_flight = False
             s.last_used = time.time()
             if s.tier is Tier.RAM and s.key not in self.ram and not s.ephemeral:
-                self._file_in_ram(s)  # read from disk, then the request ended before restore
+                self.tiers.file_in_ram(s)  # read from disk, then the request ended before restore
             if s.ephemeral:
                 self._discard(s)
             elif (
@@ -186,17 +156,6 @@ class SessionPool:
                 self.writer.enqueue(s.key)
             self._cond.notify_all()
 
-    def _file_in_ram(self, s: Session) -> None:
-        assert s.host_kv is not None
-        came_from = "disk" if s.disk_read_s is not None else "ram"
-        s.disk_read_s = None
-        if self.ram.fits(nbytes(s.host_kv)):
-            self.ram.put(s.key, s.host_kv)
-            if came_from == "disk":
-                self.observer.session_moved("disk", "ram", "restore")
-        else:
-            self._to_disk(s, "ram_full")
-
     def match_prefix(
         self,
         s: Session,
@@ -204,15 +163,19 @@ class SessionPool:
         prompt_ids: Sequence[int] | None = None,
         prompt_text: str | None = None,
         tokenize: Callable[[str], list[int]] | None = None,
+        priority: int = 0,
     ) -> PrefixMatch:
         """Decide the new prompt's tokens and how many leading ones reuse cached KV; drop
         the KV past that point. When the rendered text extends the session's text, the
         cached tokens are kept as they are and only the new text is tokenized (BPE merges
-        across the old/new boundary would otherwise make a token match miss)."""
+        across the old/new boundary would otherwise make a token match miss). When the
+        block index holds a longer chain of the prompt's blocks than the session's own KV
+        (another session's system prompt, this session's other branch), the session takes
+        those blocks instead (kv/sharing.py)."""
         assert s.in_flight
         assert prompt_ids is not None or (prompt_text is not None and tokenize is not None)
         with self._lock:
-            self._load(s)
+            self.tiers.load(s)
             via_text = bool(
                 prompt_text is not None
                 and tokenize is not None
@@ -238,7 +201,7 @@ class SessionPool:
                 ids = s.token_ids[:n] + tokenize(prompt_text[c:])
             if prompt_text is not None and prompt_ids is None:
                 marks.append((len(ids), len(prompt_text)))  # the prompt's end
-            s.text_marks = marks
+            s.text_marks = list(dict.fromkeys(marks))  # a request matched again repeats some
             common = 0
             for a, b in zip(ids, s.token_ids):
                 if a != b:
@@ -248,45 +211,80 @@ class SessionPool:
             reuse = max(0, min(common, s.num_computed, len(ids) - 1))
             if reuse < len(s.token_ids):
                 s.text = ""  # the text stood for tokens we no longer keep
+            s.priority = priority
+            reuse = self._truncate_kv(s, reuse)  # less when a shared half block cannot be copied
             s.token_ids = ids[:reuse]
-            self._truncate_kv(s, reuse)
+            own = reuse
+            chain = self.sharing.chain_for(s, ids, reuse)
+            if chain:
+                persisted = min(s.num_persisted, reuse)
+                self._drop_kv(s)
+                reuse = self.sharing.adopt(s, ids, chain)
+                s.num_persisted, s.version = persisted, next(self._versions)
             if reuse:
                 s.hits += 1
-            return PrefixMatch(token_ids=ids, num_reused=reuse, via_text=via_text)
+            return PrefixMatch(
+                token_ids=ids, num_reused=reuse, via_text=via_text, num_shared=reuse - own
+            )
+
+    def index_blocks(
+        self, s: Session, prompt_ids: Sequence[int], output_ids: Sequence[int], num_computed: int
+    ) -> None:
+        """Share the full blocks a running request has computed (its tokens are prompt_ids +
+        output_ids, the first num_computed with KV): a prompt admitted next finds them."""
+        with self._lock:
+            self.sharing.offer(s, prompt_ids, output_ids, num_computed)
 
     def restore(self, s: Session) -> None:
         """Bring the session's KV to the device (making room if needed)."""
         with self._lock:
-            self._load(s)
+            self.tiers.load(s)
             if s.tier is Tier.DEVICE:
                 return
-            t0 = time.perf_counter()
-            src = s.tier
-            came_from = Tier.DISK if s.disk_read_s is not None else src
+            move = self.tiers.begin_restore(s)
             table = BlockTable(self.cfg.block_size)
-            # Out of the RAM LRU first: making room pushes others into RAM, which must not
-            # push this session out to disk under our feet.
-            cached = self.ram.pop(s.key) is not None if src is Tier.RAM else False
+            shared = self.sharing.share_for_restore(s, table)  # only the rest is copied
             try:
                 self._make_room(table.blocks_needed(s.num_computed), exclude=s)
                 table.ensure(self.blocks, s.num_computed)
             except OutOfBlocksError:
-                if cached:
-                    assert s.host_kv is not None
-                    self.ram.put(s.key, s.host_kv)
+                table.release(self.blocks)
+                self.tiers.abort_restore(s, move)
                 raise
-            if src is Tier.RAM:
-                assert s.host_kv is not None
-                scatter_from_host(
-                    self.kv_caches, s.host_kv, table.blocks, s.num_computed, self.cfg.block_size
-                )
-            s.host_kv = None
-            s.block_table, s.tier = table, Tier.DEVICE
-            if came_from is not Tier.NONE:
-                seconds = time.perf_counter() - t0 + (s.disk_read_s or 0.0)
-                self.observer.restored(came_from.value, seconds)
-                self.observer.session_moved(came_from.value, Tier.DEVICE.value, "restore")
-            s.disk_read_s = None
+            self.tiers.finish_restore(s, move, table, start=shared)
+            self.sharing.restored_into(s, table)
+
+    def restore_ahead(self, key: SessionKey) -> None:
+        """Put an idle RAM session's KV on the device now, on the calling (prefetch) thread,
+        if free blocks allow it without demoting anyone; its request's restore() then finds
+        it there. The copy runs without the pool lock, the session leased meanwhile."""
+        with self._cond:
+            s = self._sessions.get(key)
+            if s is None or s.in_flight or s.tier is not Tier.RAM or s.host_kv is None:
+                return
+            table = BlockTable(self.cfg.block_size)
+            if table.blocks_needed(s.num_computed) > self.blocks.num_free:
+                return  # no room without demotions: the step thread's restore decides
+            move = self.tiers.begin_restore(s)
+            shared = self.sharing.share_for_restore(s, table)  # only the rest is copied
+            table.ensure(self.blocks, s.num_computed)
+            s.block_table = table  # held by the session while copying (check_integrity)
+            s.in_flight = s.copying = True
+        try:
+            self.tiers.copy_in(s, move, table, start=shared)
+        except BaseException:
+            with self._cond:
+                table.release(self.blocks)
+                s.block_table = None
+                self.tiers.abort_restore(s, move)
+                s.in_flight = s.copying = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self.tiers.finish_restore(s, move, table, start=shared, copied=True)
+            self.sharing.restored_into(s, table)
+            s.in_flight = s.copying = False
+            self._cond.notify_all()
 
     def ensure_blocks(self, s: Session, num_tokens: int) -> None:
         """Give a device session room for num_tokens tokens of KV, demoting idle sessions
@@ -302,6 +300,25 @@ class SessionPool:
             self._make_room(need, exclude=s)
             s.block_table.ensure(self.blocks, num_tokens)
 
+    def blocks_to_hold(self, s: Session, num_tokens: int) -> int:
+        """Device blocks s lacks to hold num_tokens (all of them when it is off the device:
+        an estimate, a restore may share some)."""
+        with self._lock:
+            if s.tier is Tier.DEVICE and s.block_table is not None:
+                return s.block_table.blocks_needed(num_tokens)
+            return -(-num_tokens // self.cfg.block_size)
+
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could get: free ones, cached ones, and those that only idle
+        unpinned device sessions hold (demoted on demand)."""
+        with self._lock:
+            n = self.blocks.num_free
+            for s in self._sessions.values():
+                if s.tier is Tier.DEVICE and not s.in_flight and not s.pinned:
+                    assert s.block_table is not None
+                    n += sum(1 for b in s.block_table.blocks if self.blocks.holders(b) == 1)
+            return n
+
     def commit(self, s: Session, token_ids: Sequence[int], text: str, num_computed: int) -> None:
         """Record the session's state after (part of) a turn: KV exists for the first
         num_computed of token_ids, and `text` is exactly what token_ids stand for."""
@@ -309,8 +326,8 @@ class SessionPool:
             assert num_computed <= len(token_ids)
             s.token_ids, s.text = list(token_ids), text
             s.text_marks = valid_marks(s.text_marks, len(s.token_ids), len(text))
-            self._truncate_kv(s, num_computed)
-            s.num_computed = num_computed
+            s.num_computed = self._truncate_kv(s, num_computed)
+            del s.block_keys[s.num_computed // self.cfg.block_size :]
             s.version = next(self._versions)
             s.last_used = time.time()
 
@@ -324,76 +341,15 @@ class SessionPool:
 
     def demote(self, s: Session, to: Tier, reason: str) -> None:
         """Move an idle session's KV down to RAM or disk."""
-        assert to in (Tier.RAM, Tier.DISK)
         with self._lock:
-            if s.tier is to or s.tier is Tier.NONE:
-                return
-            if s.tier is Tier.DISK:
-                return  # already below `to`
-            if s.tier is Tier.DEVICE:
-                assert s.block_table is not None
-                host = gather_to_host(
-                    self.kv_caches, s.block_table.blocks, s.num_computed, self.cfg.block_size
-                )
-                s.block_table.release(self.blocks)
-                s.block_table = None
-                if to is Tier.RAM and self.ram.fits(nbytes(host)):
-                    s.host_kv, s.tier = host, Tier.RAM
-                    self.observer.session_moved("device", "ram", reason)
-                    self.ram.put(s.key, host)  # may push LRU entries to disk
-                    if self.writer and s.dirty_tokens:
-                        self.writer.enqueue(s.key)
-                    return
-                s.host_kv, s.tier = host, Tier.RAM  # transiently, for _to_disk
-                self.observer.session_moved("device", "ram", reason)
-            else:
-                self.ram.pop(s.key)
-            self._to_disk(s, reason)
-
-    def _to_disk(self, s: Session, reason: str) -> None:
-        """RAM → disk for a session whose host copy is in s.host_kv (already out of the RAM
-        LRU). Writes a snapshot if the newest one is stale; on failure the KV is lost."""
-        host = s.host_kv
-        assert host is not None
-        s.host_kv = None
-        written = False
-        if self.order is not None:
-            written = not s.dirty or self.order.write(self._snapshot(s, host), s.version)
-        if written:
-            s.num_persisted, s.persisted_version = s.num_computed, s.version
-            s.tier, s.loaded = Tier.DISK, False
-            s.token_ids, s.text = [], ""  # the snapshot holds them; read back on restore
-            self.observer.session_moved("ram", "disk", reason)
-        else:
-            s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
-            self.observer.session_moved("ram", "none", reason)
-
-    def _on_ram_evict(self, key: SessionKey, host: torch.Tensor) -> None:
-        s = self._sessions.get(key)
-        if s is None or s.tier is not Tier.RAM:
-            return
-        s.host_kv = host
-        self._to_disk(s, "ram_full")
+            self.tiers.demote(s, to, reason)
 
     def demote_all_but(self, keep: Session, reason: str) -> None:
         """Demote every idle device session except `keep` to RAM (serialized mode)."""
         with self._lock:
             for s in list(self._sessions.values()):
                 if s is not keep and s.tier is Tier.DEVICE and not s.in_flight:
-                    self.demote(s, Tier.RAM, reason)
-
-    def _on_disk_evict(self, entry: DiskEntry) -> None:
-        # Called by the disk tier (outside its own lock) when it deleted a snapshot to stay
-        # within budget.
-        key = (entry.tenant, entry.session_id)
-        with self._lock:
-            s = self._sessions.get(key)
-            if s is None:
-                return
-            s.num_persisted, s.persisted_version = 0, -1
-            if s.tier is Tier.DISK and not s.in_flight:
-                del self._sessions[key]
-                self.observer.session_moved("disk", "none", "disk_full")
+                    self.tiers.demote(s, Tier.RAM, reason)
 
     def _make_room(self, num_blocks: int, exclude: Session) -> None:
         """Demote LRU idle unpinned device sessions until num_blocks are free."""
@@ -410,231 +366,125 @@ class SessionPool:
         for victim in victims:
             if self.blocks.num_free >= num_blocks:
                 return
-            self.demote(victim, Tier.RAM, "pressure")
+            self.tiers.demote(victim, Tier.RAM, "pressure")
         if self.blocks.num_free < num_blocks:
             raise OutOfBlocksError(
                 f"need {num_blocks} KV blocks, {self.blocks.num_free} free and every other "
                 "device session is in flight or pinned"
             )
 
-    def _truncate_kv(self, s: Session, n: int) -> None:
+    def _truncate_kv(self, s: Session, n: int) -> int:
+        """Keep KV for the first n tokens; returns how many are kept (see sharing.truncate)."""
         if n >= s.num_computed:
-            return
+            return n
         if s.tier is Tier.DEVICE:
-            assert s.block_table is not None
-            s.block_table.truncate(self.blocks, n)
+            n = self.sharing.truncate(s, n)
         elif s.tier is Tier.RAM:
-            assert s.host_kv is not None
-            was_cached = self.ram.pop(s.key) is not None
-            s.host_kv = s.host_kv[:, :, :n].clone()  # a clone frees the tail's memory
-            if was_cached or self.ram.fits(nbytes(s.host_kv)):
-                self.ram.put(s.key, s.host_kv)
+            self.tiers.truncate_host(s, n)
         # DISK: the snapshot keeps more tokens than needed; restore copies only n.
         s.num_computed = n
         s.num_persisted = min(s.num_persisted, n)
+        del s.block_keys[n // self.cfg.block_size :]
         s.version = next(self._versions)
+        return n
 
-    def _load(self, s: Session) -> None:
-        """Read a DISK session's snapshot into RAM (tokens, text and KV)."""
-        if s.tier is not Tier.DISK:
-            return
-        assert self.disk is not None
-        t0 = time.perf_counter()
-        snap = self.disk.read(s.tenant, s.session_id)
-        if snap is None:  # absent or quarantined (counted): start fresh
-            s.token_ids, s.text, s.num_computed, s.num_persisted = [], "", 0, 0
-            s.tier, s.loaded, s.persisted_version = Tier.NONE, True, -1
-            s.version = next(self._versions)
-            return
-        n = min(s.num_computed, snap.header.num_kv_tokens)
-        kv = [layer[:, :n] for layer in snap.kv]
-        s.token_ids, s.text, s.loaded = snap.token_ids, snap.text, True
-        if n < snap.header.num_kv_tokens:  # truncated while on disk: the text no longer fits
-            s.token_ids, s.text = s.token_ids[:n], ""
-        s.num_computed = n
-        first = kv[0]
-        host = host_buffer((len(kv), *first.shape), first.dtype, self.kv_caches[0].device)
-        for layer, src in enumerate(kv):
-            host[layer].copy_(src)
-        # Held by the in-flight session only (not the RAM LRU): restore() moves it to the
-        # device next; release() files it in RAM if no restore came.
-        s.host_kv, s.tier = host, Tier.RAM
-        s.disk_read_s = time.perf_counter() - t0
+    def _drop_kv(self, s: Session) -> None:
+        """Let go of the session's device blocks and host copy (its tokens and snapshot stay)."""
+        if s.block_table is not None:
+            s.block_table.release(self.blocks)
+            s.block_table = None
+        self.tiers.ram.pop(s.key)
+        s.host_kv, s.tier, s.disk_read_s = None, Tier.NONE, None
+        s.num_computed, s.block_keys = 0, []
 
-    def _snapshot(self, s: Session, host: torch.Tensor) -> Snapshot:
-        return Snapshot.create(
-            s.tenant,
-            s.session_id,
-            self.fingerprint,
-            s.token_ids,
-            s.text,
-            [host[layer] for layer in range(host.shape[0])],
-        )
+    def _discard(self, s: Session) -> None:
+        self._drop_kv(s)
+        self.tiers.forget(s)
+        self._sessions.pop(s.key, None)
 
     # ------------------------------------------------------------ persistence
 
     def persist(self, key: SessionKey) -> bool:
-        """Write a snapshot of an idle session if it changed since the last one.
-        Called from the writer thread and by flush(); the disk write runs unlocked."""
-        if self.order is None:
-            return False
-        with self._lock:
-            s = self._sessions.get(key)
-            if s is None or s.in_flight or not s.dirty or s.tier not in (Tier.DEVICE, Tier.RAM):
-                return False
-            if s.tier is Tier.DEVICE:
-                assert s.block_table is not None
-                host = gather_to_host(
-                    self.kv_caches, s.block_table.blocks, s.num_computed, self.cfg.block_size
-                )
-            else:
-                assert s.host_kv is not None
-                host = s.host_kv  # never modified in place: truncation replaces it
-            snap, version, n = self._snapshot(s, host), s.version, s.num_computed
-        if not self.order.write(snap, version):
-            return False
-        with self._lock:
-            if self._sessions.get(key) is s and s.version == version:
-                s.num_persisted, s.persisted_version = n, version
-        return True
+        return self.tiers.persist(key)
 
     def idle_dirty_keys(self, idle_s: float) -> list[SessionKey]:
-        cutoff = time.time() - idle_s
-        with self._lock:
-            return [
-                s.key
-                for s in self._sessions.values()
-                if not s.in_flight
-                and not s.ephemeral
-                and s.dirty
-                and s.last_used < cutoff
-                and s.tier in (Tier.DEVICE, Tier.RAM)
-            ]
+        return self.tiers.idle_dirty_keys(idle_s)
 
     def flush(self) -> int:
-        """Persist every idle session that changed since its last snapshot; returns the
-        number written. In-flight sessions are skipped (they persist when released)."""
-        if self.writer:
-            self.writer.drain()
-        with self._lock:
-            keys = [k for k, s in self._sessions.items() if not s.ephemeral and s.dirty]
-        return sum(self.persist(k) for k in keys)
+        return self.tiers.flush()
 
     def close(self) -> None:
-        """Flush to disk and stop the writer (clean shutdown)."""
-        self.flush()
-        if self.writer:
-            self.writer.stop()
-        if self.disk:
-            self.disk.close()
+        """Stop bringing sessions up, flush to disk, stop the writer (clean shutdown)."""
+        self.prefetcher.stop()
+        self.tiers.close()
 
     # ------------------------------------------------------------ introspection / admin
 
     def list_sessions(
         self, tenant: str | None = None, tier: str | None = None
     ) -> list[SessionInfo]:
-        """Sessions (not ephemeral ones), most recently used first."""
-        with self._lock:
-            infos = [
-                s.info(self.kv_bytes_per_token)
-                for s in self._sessions.values()
-                if not s.ephemeral
-                and (tenant is None or s.tenant == tenant)
-                and (tier is None or s.tier.value == tier)
-            ]
-        return sorted(infos, key=lambda i: i.last_used, reverse=True)
+        return self.admin.list_sessions(tenant, tier)
 
     def get(self, tenant: str, session_id: str) -> SessionInfo | None:
-        with self._lock:
-            s = self._sessions.get((tenant, session_id))
-            return None if s is None or s.ephemeral else s.info(self.kv_bytes_per_token)
-
-    def _idle(self, tenant: str, session_id: str) -> Session:
-        s = self._sessions.get((tenant, session_id))
-        if s is None or s.ephemeral:
-            raise SessionNotFoundError(f"no session {session_id!r}")
-        if s.in_flight:
-            raise SessionBusyError(f"session {session_id!r} has a request in flight")
-        return s
+        return self.admin.get(tenant, session_id)
 
     def evict(self, tenant: str, session_id: str, to: str) -> SessionInfo:
-        """Demote an idle session to 'ram' or 'disk' (pinned ones too: this is explicit)."""
-        target = Tier(to)
-        if target not in (Tier.RAM, Tier.DISK):
-            raise ValueError(f"evict target must be 'ram' or 'disk', got {to!r}")
-        if target is Tier.DISK and self.disk is None:
-            raise ValueError("no disk tier is configured (--kv-disk-dir)")
-        with self._lock:
-            s = self._idle(tenant, session_id)
-            self.demote(s, target, "admin")
-            return s.info(self.kv_bytes_per_token)
+        return self.admin.evict(tenant, session_id, to)
 
     def drop(self, tenant: str, session_id: str) -> None:
-        """Forget an idle session in every tier, its snapshot file included."""
-        with self._lock:
-            s = self._idle(tenant, session_id)
-            self._discard(s)
-
-    def _discard(self, s: Session) -> None:
-        if s.block_table is not None:
-            s.block_table.release(self.blocks)
-            s.block_table = None
-        self.ram.pop(s.key)
-        s.host_kv, s.tier = None, Tier.NONE
-        self._sessions.pop(s.key, None)
-        if self.order is not None and not s.ephemeral:
-            self.order.drop(s.key, next(self._versions))
+        self.admin.drop(tenant, session_id)
 
     def set_pinned(self, tenant: str, session_id: str, pinned: bool) -> SessionInfo:
-        """Pinned sessions are never demoted by memory pressure."""
-        with self._lock:
-            s = self._sessions.get((tenant, session_id))
-            if s is None or s.ephemeral:
-                raise SessionNotFoundError(f"no session {session_id!r}")
-            s.pinned = pinned
-            return s.info(self.kv_bytes_per_token)
+        return self.admin.set_pinned(tenant, session_id, pinned)
 
     def usage(self) -> PoolUsage:
+        return self.admin.usage()
+
+    def pin_prefix(self, tenant: str, token_ids: Sequence[int]) -> PrefixInfo:
+        """Pin a prefix's blocks (kv/sharing.py); the engine computes it if it is not there."""
         with self._lock:
-            counts = {t: 0 for t in Tier}
-            device_tokens = 0
-            for s in self._sessions.values():
-                counts[s.tier] += 1
-                if s.tier is Tier.DEVICE:
-                    device_tokens += s.num_computed
-            return PoolUsage(
-                device_blocks_used=self.blocks.num_used,
-                device_blocks_total=self.blocks.num_blocks,
-                device_sessions=counts[Tier.DEVICE],
-                device_bytes=device_tokens * self.kv_bytes_per_token,
-                ram_sessions=counts[Tier.RAM],
-                ram_bytes=self.ram.used_bytes,
-                ram_budget_bytes=self.ram.budget_bytes,
-                disk_sessions=counts[Tier.DISK],
-                disk_bytes=self.disk.used_bytes if self.disk else 0,
-                disk_budget_bytes=self.disk.budget_bytes if self.disk else 0,
-            )
+            return self.sharing.pin(tenant, token_ids)
+
+    def unpin_prefix(self, prefix_id: str) -> PrefixInfo:
+        with self._lock:
+            return self.sharing.unpin(prefix_id)
+
+    def prefix(self, prefix_id: str) -> PrefixInfo:
+        with self._lock:
+            return self.sharing.info(prefix_id)
+
+    def drop_cached_blocks(self) -> int:
+        """Evict every cached block (indexed, held by no session); returns how many."""
+        with self._lock:
+            return self.blocks.evict_all()
+
+    def pinned_prefixes(self) -> list[PrefixInfo]:
+        with self._lock:
+            return self.sharing.pins()
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if tiers, blocks and budgets disagree."""
+        """Raise AssertionError if tiers, blocks, the block index and budgets disagree."""
         with self._lock:
-            self.blocks.check_integrity()
-            device_blocks = 0
+            holders: Counter[int] = Counter()
             for s in self._sessions.values():
                 assert s.num_computed <= max(len(s.token_ids), s.num_computed)
                 if s.tier is Tier.DEVICE:
                     assert s.block_table is not None and s.host_kv is None
                     assert s.block_table.capacity >= s.num_computed
-                    device_blocks += len(s.block_table.blocks)
+                    holders.update(s.block_table.blocks)
+                    self.sharing.check(s)
+                elif s.copying and s.block_table is not None:  # restore_ahead under way
+                    assert s.tier is Tier.RAM and s.in_flight
+                    holders.update(s.block_table.blocks)
                 else:
                     assert s.block_table is None, s.key
                 if s.tier is Tier.RAM:
                     assert s.host_kv is not None and s.host_kv.shape[2] == s.num_computed
                 if s.loaded:
                     assert s.num_computed <= len(s.token_ids), s.key
-            assert device_blocks == self.blocks.num_used
-            for key in self.ram.lru_keys():
+            self.blocks.check_integrity(dict(holders))  # refcounts == holders (+ the index)
+            for key in self.tiers.ram.lru_keys():
                 assert self._sessions[key].tier is Tier.RAM, key
-            assert self.ram.used_bytes <= max(self.ram.budget_bytes, 1)
-            if self.disk:
-                assert self.disk.used_bytes <= self.disk.budget_bytes
+            assert self.tiers.ram.used_bytes <= max(self.tiers.ram.budget_bytes, 1)
+            if self.tiers.disk:
+                assert self.tiers.disk.used_bytes <= self.tiers.disk.budget_bytes

@@ -11,6 +11,7 @@ import torch
 
 from ds4pool.errors import Ds4poolError
 from ds4pool.kv.blocks import BlockTable
+from ds4pool.kv.index import BlockKey
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -59,6 +60,8 @@ class Session:
       tier RAM ⇔ host_kv is set with T == num_computed; tier DISK ⇔ neither, and the
       disk tier has a snapshot with num_kv_tokens == num_computed.
     - `text` is the exact text token_ids stand for ('' when unknown).
+    - block_keys[i] is the block index's chain key of token_ids' block i, for the first
+      blocks whose KV has been computed (a prefix of them; it may lag behind).
     """
 
     tenant: str
@@ -70,12 +73,15 @@ class Session:
     num_computed: int = 0
     tier: Tier = Tier.NONE
     block_table: BlockTable | None = None
+    block_keys: list[BlockKey] = field(default_factory=list)
+    priority: int = 0  # of the last request: the eviction class of its cached blocks
     host_kv: torch.Tensor | None = None  # [L, 2, T, H_kv, D] on the host (RAM tier)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     hits: int = 0  # requests that reused cached tokens
     pinned: bool = False
     in_flight: bool = False
+    copying: bool = False  # in_flight for a copy of its device KV off the pool lock (tiers)
     ephemeral: bool = False  # discarded when its request ends (no X-Session-Id)
     num_persisted: int = 0  # num_computed covered by the newest snapshot on disk (0 = none)
     version: int = 0  # bumped (pool-wide counter) whenever tokens or KV change
@@ -139,3 +145,4 @@ class PrefixMatch:
     token_ids: list[int]  # the full prompt, cached part first
     num_reused: int  # leading tokens whose KV is reused (prefix hit)
     via_text: bool  # True when the text-prefix path produced token_ids
+    num_shared: int = 0  # of num_reused, tokens beyond the session's own KV (block index)

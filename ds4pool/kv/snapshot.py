@@ -29,8 +29,6 @@ import lz4.frame
 import numpy as np
 import torch
 
-from ds4pool.model.kv_layout import PLANES_OF
-
 MAGIC = b"DS4SNAP\x00"
 FORMAT_VERSION = 1
 # magic, version, reserved (0), header_len, header_crc (of the JSON), prefix_crc (of bytes 0..20).
@@ -66,7 +64,10 @@ class SnapshotError(Exception):
 
 # What each token's KV holds per layer, planes of [num_kv_heads, head_dim] (KVLayout's kinds):
 # "kv": K then V of every KV head; "mla": one plane, the compressed latent of multi-head
-# latent attention (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim).
+# latent attention (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim). The file
+# format names its own kinds (model/kv_layout.py's KVLayout has the same two): kv/ does not
+# import the model.
+PLANES_OF: dict[str, int] = {"kv": 2, "mla": 1}
 DEFAULT_KV_LAYOUT = "kv"
 
 

@@ -1,55 +1,88 @@
 """Copies of one session's KV between the paged device cache and a contiguous host tensor.
 
-Host layout: [L, P, T, H_kv, D] (layer, plane, token, head, dim), used tokens only. The
-device layout is KVLayout's (ds4pool/model/kv_layout.py); P is its number of planes (2 for
-K/V, 1 for an MLA latent), moved as it is: nothing here depends on what the planes hold.
+Host layout: [L, P, T, H_kv, D] (layer, plane, token, head, dim), used tokens only. P is the
+layout's number of planes (2 for K/V, 1 for an MLA latent), moved as it is: nothing here
+depends on what the planes hold. The device layout belongs to the model
+(`model/kv_layout.py`'s `KVLayout`, or a model's own); kv/ receives it with the tensors as a
+`DeviceKV` and never imports the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ds4pool.kv.ram import host_buffer
-from ds4pool.model.kv_layout import KVLayout
 
 
-def token_slots(blocks: Sequence[int], num_tokens: int, block_size: int) -> list[int]:
-    """Flat cache slot of each of the first num_tokens tokens."""
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(num_tokens)]
+class PagedLayout(Protocol):
+    """What kv/ needs to know of the paged tensors' layout (KVLayout satisfies it)."""
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    def token_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """One layer's cache as [2, slots, H_kv, D] (K/V, flat slot, head, dim)."""
+        ...
+
+    def slots(self, blocks: Sequence[int], start: int, end: int) -> list[int]:
+        """Flat slots of token positions [start, end) of a sequence with these blocks."""
+        ...
 
 
-def gather_to_host(
-    kv_caches: Sequence[torch.Tensor], blocks: Sequence[int], num_tokens: int, block_size: int
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class DeviceKV:
+    """The paged KV tensors (one per layer, owned by the runner) and their layout."""
+
+    caches: Sequence[torch.Tensor]
+    layout: PagedLayout
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device
+
+
+def gather_to_host(kv: DeviceKV, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
     """Device blocks → a new host tensor [L, P, T, H_kv, D] (pinned on CUDA)."""
-    layout = KVLayout.of(kv_caches)
-    device = kv_caches[0].device
-    shape = (layout.num_layers, layout.num_planes, num_tokens, layout.num_kv_heads, layout.head_dim)
-    out = host_buffer(shape, layout.dtype, device)
+    first = kv.layout.token_view(kv.caches[0])  # [P, S, H_kv, D]
+    shape = (len(kv.caches), first.shape[0], num_tokens, *first.shape[2:])
+    out = host_buffer(shape, first.dtype, kv.device)
     if num_tokens == 0:
         return out
-    slots = torch.tensor(token_slots(blocks, num_tokens, block_size), device=device)
-    staged = torch.stack([KVLayout.token_view(c).index_select(1, slots) for c in kv_caches])
-    out.copy_(staged, non_blocking=device.type == "cuda")
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    slots = torch.tensor(kv.layout.slots(blocks, 0, num_tokens), device=kv.device)
+    if kv.device.type == "cpu":  # straight into the host tensor: one pass over the bytes
+        for layer, cache in enumerate(kv.caches):
+            torch.index_select(kv.layout.token_view(cache), 1, slots, out=out[layer])
+        return out
+    staged = torch.stack([kv.layout.token_view(c).index_select(1, slots) for c in kv.caches])
+    out.copy_(staged, non_blocking=kv.device.type == "cuda")
+    if kv.device.type == "cuda":
+        torch.cuda.current_stream(kv.device).synchronize()
     return out
 
 
 def scatter_from_host(
-    kv_caches: Sequence[torch.Tensor],
+    kv: DeviceKV,
     host: torch.Tensor | Sequence[torch.Tensor],  # [L, P, T, H, D] or L × [P, T', H, D]
     blocks: Sequence[int],
     num_tokens: int,
-    block_size: int,
 ) -> None:
     """Write the first num_tokens tokens of `host` into the device blocks."""
     if num_tokens == 0:
         return
-    device = kv_caches[0].device
-    slots = torch.tensor(token_slots(blocks, num_tokens, block_size), device=device)
-    for layer, cache in enumerate(kv_caches):
-        src = host[layer][:, :num_tokens].to(device, non_blocking=True)
-        KVLayout.token_view(cache).index_copy_(1, slots, src)
+    slots = torch.tensor(kv.layout.slots(blocks, 0, num_tokens), device=kv.device)
+    for layer, cache in enumerate(kv.caches):
+        src = host[layer][:, :num_tokens].to(kv.device, non_blocking=True)
+        kv.layout.token_view(cache).index_copy_(1, slots, src)
+
+
+def copy_block(kv: DeviceKV, src: int, dst: int, block_size: int) -> None:
+    """Copy device block src's K and V into block dst, every layer (copy-on-write)."""
+    src_slots = torch.tensor(kv.layout.slots([src], 0, block_size), device=kv.device)
+    dst_slots = torch.tensor(kv.layout.slots([dst], 0, block_size), device=kv.device)
+    for cache in kv.caches:
+        view = kv.layout.token_view(cache)  # [2, slots, H_kv, D]
+        view.index_copy_(1, dst_slots, view.index_select(1, src_slots))

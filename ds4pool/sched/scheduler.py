@@ -27,6 +27,10 @@ from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream,
 from ds4pool.sched.seq import Seq
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
+# A request waits for at most this many bring-ups of its session (kv/prefetch.py). One can
+# be undone by RAM pressure before admission, or not fit the RAM tier at all; then the step
+# thread reads the snapshot itself rather than the prefetch thread reading it again.
+MAX_READ_AHEADS = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,29 @@ class Step:
     seqs: list[Seq]
     inputs: list[SeqInput]
     counts: list[int]  # tokens computed per seq
+
+
+class _Room:
+    """Admission's view of the device blocks in one build: a request is admitted only
+    when its blocks fit beside what the running requests still need (blocks they share are
+    theirs already, so they count once), unless it outranks a running request (which it
+    may then preempt)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.left: int | None = None  # computed on first use: most builds admit nobody
+
+    def take(self, seq: Seq) -> None:
+        running = [r for r in self.sched.running if r.session is not None]
+        if not running or any(r.priority > seq.priority for r in running):
+            return
+        if self.left is None:
+            reserved = sum(self.sched._need(r) for r in running)
+            self.left = self.sched.pool.num_available_blocks() - reserved
+        need = self.sched._need(seq)
+        if need > self.left:
+            raise OutOfBlocksError(f"waits for {need} KV blocks, {self.left} left")
+        self.left -= need
 
 
 class Scheduler:
@@ -109,6 +136,8 @@ class Scheduler:
                 self.observer.rejected(exc.reason)
                 raise
             self.wakeup.notify_all()
+        if self.pool.prefetch(req.tenant, req.session_id):  # a disk session: read it ahead
+            seq.reads = 1
         return stream
 
     def has_work(self) -> bool:
@@ -163,16 +192,18 @@ class Scheduler:
                     )
                     self._finish(seq, "error", error=error, error_type="invalid_request")
                     return False
+                # the one to yield: lowest priority, newest first (admission keeps this rare
+                # between requests of one priority)
                 victims = [
                     s
                     for s in self.running
                     if s is not seq
                     and s not in step.seqs
                     and s.state is State.RUNNING
-                    and (s.priority, -s.arrival) >= (seq.priority, -seq.arrival)
+                    and (s.priority, s.arrival) > (seq.priority, seq.arrival)
                 ]
                 if victims:
-                    self._preempt(max(victims, key=lambda s: (s.priority, -s.arrival)))
+                    self._preempt(max(victims, key=lambda s: (s.priority, s.arrival)))
                 elif step.seqs or len(self.running) > 1:
                     self._preempt(seq)  # wait for the others to finish
                     return False
@@ -194,6 +225,7 @@ class Scheduler:
         with self.lock:
             candidates = list(self.queue.ordered())
         now = time.monotonic()
+        room = _Room(self)
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self._max_running:
                 return
@@ -202,7 +234,7 @@ class Scheduler:
                 self._finish(seq, "cancelled")
                 continue
             try:
-                if not self._activate(seq, now):
+                if not self._activate(seq, now, room):
                     continue
             except OutOfBlocksError:
                 if seq.session is not None and seq.admitted_at is None:
@@ -225,10 +257,17 @@ class Scheduler:
                 self._add(step, seq, n)
                 budget -= n
 
-    def _activate(self, seq: Seq, now: float) -> bool:
+    def _activate(self, seq: Seq, now: float, room: _Room) -> bool:
         """Acquire, match and restore the session of a waiting request. False if its
-        session is busy with another request (it stays queued, bounded in time)."""
+        session is busy with another request (it stays queued, bounded in time);
+        OutOfBlocksError when its blocks do not fit beside the running requests'."""
         if seq.session is None:
+            # a disk session's snapshot is read on the prefetch thread, not on this one
+            if self.pool.prefetching(seq.tenant, seq.req.session_id):
+                return False
+            if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
+                seq.reads += 1
+                return False
             try:
                 seq.session = self.pool.acquire(seq.req.tenant, seq.req.session_id, timeout=0)
             except SessionBusyError:
@@ -238,8 +277,16 @@ class Scheduler:
                 return False
         if self.cfg.serialized:
             self.pool.demote_all_but(seq.session, "serialized")
-        if seq.admitted_at is None:
+        matched = seq.admitted_at is None
+        if matched:
             self._match(seq)
+        try:
+            room.take(seq)  # raises OutOfBlocksError: the request waits, nobody is preempted
+        except OutOfBlocksError:
+            if matched:
+                self._keep_match(seq)
+            raise
+        if seq.admitted_at is None:
             self.observer.admitted(now - seq.arrival)
             seq.admitted_at = now
         self.pool.restore(seq.session)
@@ -251,13 +298,14 @@ class Scheduler:
     def _match(self, seq: Seq) -> None:
         s = seq.session
         assert s is not None
-        seq.rollback_ids, seq.rollback_text = list(s.token_ids), s.text
+        num_old, old_text = len(s.token_ids), s.text
         req = seq.req
         m = self.pool.match_prefix(
             s,
             prompt_ids=req.prompt_ids,
             prompt_text=req.prompt_text,
             tokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            priority=req.priority,
         )
         limit = self.runner.max_model_len
         if len(m.token_ids) >= limit:
@@ -270,11 +318,29 @@ class Scheduler:
         if min(m.token_ids) < 0 or max(m.token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq.prompt_ids, seq.num_reused, seq.num_computed = m.token_ids, m.num_reused, m.num_reused
-        seq.rollback_ids = seq.rollback_ids[: m.num_reused]
-        if m.num_reused < len(s.token_ids) or not m.via_text:
-            seq.rollback_text = ""
+        # the session as match_prefix left it (its reused tokens, maybe another's blocks);
+        # its old text still stands for them only when all of the old tokens were kept
+        seq.rollback_ids = m.token_ids[: m.num_reused]
+        keeps_text = m.via_text and not m.num_shared and m.num_reused == num_old
+        seq.rollback_text = old_text if keeps_text else ""
         seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
         seq.start_decoding(self.tokenizer, vocab)
+
+    def _keep_match(self, seq: Seq) -> None:
+        """seq was matched but waits for blocks: its session is released meanwhile. Leave
+        the session holding the prompt's tokens as matched (KV for the reused ones) and the
+        text they stand for, so that the next match gives exactly these tokens again.
+        Matching cleared the session's text; without it the next match would re-tokenize the
+        whole prompt, and the reply tokens as sampled are not the text's canonical tokens:
+        the request would compute other token ids than had it not waited."""
+        assert seq.session is not None
+        text = seq.req.prompt_text if seq.req.prompt_text is not None else ""
+        self.pool.commit(seq.session, seq.prompt_ids, text, seq.num_computed)
+
+    def _need(self, seq: Seq) -> int:
+        """Device blocks seq still needs for its prompt and one block of output."""
+        assert seq.session is not None
+        return self.pool.blocks_to_hold(seq.session, seq.num_tokens + self.pool.cfg.block_size)
 
     def _dequeue(self, seq: Seq) -> None:
         with self.lock:
@@ -322,6 +388,10 @@ class Scheduler:
     def process(self, step: Step, out: StepOutput) -> None:
         for seq, n, token in zip(step.seqs, step.counts, out.sampled):
             seq.num_computed += n
+            assert seq.session is not None
+            # full blocks are shared as soon as they are computed: a prompt admitted next
+            # step finds the system prompt another request is still prefilling
+            self.pool.index_blocks(seq.session, seq.prompt_ids, seq.output_ids, seq.num_computed)
             if token is None:
                 continue
             first = seq.first_token_at is None

@@ -41,6 +41,7 @@ class Seq:
     first_token_at: float | None = None
     last_token_at: float | None = None
     blocked_since: float | None = None  # waiting on a session busy with another request
+    reads: int = 0  # bring-ups of its session requested (kv/prefetch.py)
     usage_sent: bool = False  # the first event carries usage (the prompt's counts) too
     grammar: GrammarState | None = None  # set at admission when req.constraint is set
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds4pool.engine import Engine, EngineConfig
-from ds4pool.kv.transfer import gather_to_host
+from ds4pool.kv.transfer import DeviceKV, gather_to_host
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.sched.request import Request
 
@@ -69,9 +69,8 @@ def session_kv(e: Engine, session_id: str) -> torch.Tensor:
     try:
         e.pool.restore(s)
         assert s.block_table is not None
-        return gather_to_host(
-            e.runner.kv_caches, s.block_table.blocks, s.num_computed, e.runner.block_size
-        )
+        kv = DeviceKV(e.runner.kv_caches, e.runner.layout)
+        return gather_to_host(kv, s.block_table.blocks, s.num_computed)
     finally:
         e.pool.release(s)
 

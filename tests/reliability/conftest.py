@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4pool.kv.pool import fingerprint_for
+from ds4pool.engine import fingerprint_for
 from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.tokenizer import Tokenizer

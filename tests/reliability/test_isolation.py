@@ -6,8 +6,11 @@ lists and deletes sessions, calls /admin with its key, tries variants of A's key
 admin token, empty and whitespace keys, and keys in the wrong header. Every attempt must
 fail: a 401/404 (or a fresh session of B's own: cached_tokens == 0 and the completion equal to
 what a fresh session gives for the same prompt), A's sessions unchanged, nothing of A's in
-any answer. Positive controls show that each check would see a leak (A itself does reuse
-its sessions; the admin does reach them).
+any answer. Blocks are shared within a tenant, so before each of B's requests B drops its
+sessions and the blocks nobody holds are evicted (B's own earlier requests of the same
+prompts would be reused otherwise): anything cached then could only be a block A's sessions
+hold. Positive controls show that each check would see a leak (A itself does reuse its
+sessions; the admin does reach them).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Attack:
         """B's completion for `body` in an ephemeral session: what a fresh session gives."""
         key = json.dumps(body, sort_keys=True)
         if key not in self._fresh:
+            self.forget(None)
             r = self.c.post("/v1/chat/completions", json=body, headers=bearer(KEY_B))
             assert r.status_code == 200, r.text
             assert cached_tokens(r.json()) == 0
@@ -103,17 +107,23 @@ class Attack:
     def leaks(self, text: str) -> bool:
         return SECRET in text or '"tenant-a"' in text or any(f'"{s}"' in text for s in A_SESSIONS)
 
-    def forget(self, sid: str) -> None:
-        """B drops its own session of that name (if any), so that anything cached on B's next
-        request under `sid` could only have come from A."""
-        r = self.c.delete(f"/v1/sessions/{sid}", headers=bearer(KEY_B))
-        assert r.status_code in (200, 404), r.text
+    def forget(self, sid: str | None) -> None:
+        """B drops its own sessions (`sid` and every other: B's sessions share blocks with
+        each other) and the blocks nobody holds are evicted, so that anything cached on B's
+        next request under `sid` could only have come from A."""
+        r = self.c.get("/v1/sessions", headers=bearer(KEY_B))
+        assert r.status_code == 200, r.text
+        for own in {*([sid] if sid else []), *(s["session_id"] for s in r.json()["data"])}:
+            r = self.c.delete(f"/v1/sessions/{own}", headers=bearer(KEY_B))
+            assert r.status_code in (200, 404), r.text
+        self.srv.engine.pool.drop_cached_blocks()
 
     # ------------------------------------------------------------------ the attacks
 
     def continue_as_b(self, sid: str, turn: int, headers: dict[str, str] | None = None) -> None:
         """B sends A's own next prompt under A's session id: a fresh session of B's."""
         body = chat_body(turn)
+        expected = self.fresh(body)
         self.forget(sid)
         before = self.a_state()
         r = self.c.post(
@@ -122,7 +132,7 @@ class Attack:
             headers={**(headers or bearer(KEY_B)), "X-Session-Id": sid},
         )
         ok = r.status_code == 200 and cached_tokens(r.json()) == 0
-        ok = ok and r.json()["choices"][0]["message"]["content"] == self.fresh(body)
+        ok = ok and r.json()["choices"][0]["message"]["content"] == expected
         self.expect(
             "continue A's session id", ok and self.a_state() == before, f"{sid}: {r.text[:200]}"
         )

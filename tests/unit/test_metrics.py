@@ -335,3 +335,29 @@ def test_metrics_instances_do_not_share_a_registry() -> None:
     a.scheduler_observer().preempted()
     assert value(a, "ds4pool_preemptions_total") == 1
     assert value(b, "ds4pool_preemptions_total") == 0
+
+
+def test_block_index_hits_cached_blocks_and_evictions(loaded: LoadedModel) -> None:
+    m = Metrics()
+    per_block = loaded.config.kv_bytes_per_token(4) * 16
+    e = make_engine(loaded, m, kv_device_gb=48 * per_block / (1 << 30))  # 48 blocks
+    try:
+        system = " ".join(f"rule{j}" for j in range(60))
+        a, b = chat(loaded, 1, 4), chat(loaded, 2, 4)
+        run(e, [Request(tenant=TENANT, session_id="a", prompt_text=system + a, max_tokens=2)])
+        assert value(m, "ds4pool_block_index_hit_tokens_total") == 0
+        run(e, [Request(tenant=TENANT, session_id="b", prompt_text=system + b, max_tokens=2)])
+        hits = value(m, "ds4pool_block_index_hit_tokens_total")
+        assert hits >= 160  # b took a's system prompt blocks
+        s = scrape(m)
+        assert s[("ds4pool_kv_blocks_indexed", ())] > 0 and s[("ds4pool_kv_blocks_cached", ())] == 0
+        e.pool.evict(TENANT, "a", "ram")
+        e.pool.evict(TENANT, "b", "ram")
+        assert scrape(m)[("ds4pool_kv_blocks_cached", ())] > 0  # still on the device, unheld
+        assert value(m, "ds4pool_block_index_evictions_total") == 0
+        big = chat(loaded, 3, 48)  # ~30 blocks: more than the free ones, cached ones go
+        run(e, [Request(tenant=TENANT, session_id="c", prompt_text=big, max_tokens=2)])
+        assert value(m, "ds4pool_block_index_evictions_total") > 0
+        e.pool.check_integrity()
+    finally:
+        e.close()

@@ -18,7 +18,7 @@ from ds4pool.model.device import select_device
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
 from tests.hf_models import tiny_loaded
-from tests.pool_helpers import make_pool, turn
+from tests.pool_helpers import device_kv, make_pool, turn
 
 BLOCK = 16
 
@@ -103,7 +103,7 @@ def test_kv_round_trips_the_tiers_bitwise(any_loaded: LoadedModel, tmp_path: Pat
         s = pool.acquire("t", "a")
         pool.restore(s)
         assert s.block_table is not None
-        kv = gather_to_host(r.kv_caches, s.block_table.blocks, s.num_computed, BLOCK)
+        kv = gather_to_host(device_kv(r), s.block_table.blocks, s.num_computed)
         pool.release(s)
         return kv.view(torch.uint8)
 
