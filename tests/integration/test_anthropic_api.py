@@ -154,6 +154,7 @@ def test_a_claude_code_shaped_request_succeeds(server: Server) -> None:
     assert final.content[0].text == msg.content[0].text  # type: ignore[union-attr]
     start = events[0]
     assert start.type == "message_start"
+
     # the prompt's size is known when the stream starts (Claude Code reads it there); the
     # second request of the same prompt reads most of it from the shared prefix blocks, which
     # Anthropic's usage counts apart from input_tokens
