@@ -100,6 +100,22 @@ class TableRows:
         self._diff = ([], [], [])
 
 
+def stage_decode_rows(
+    rows: Sequence[DecodeRow], table_rows: TableRows, block_size: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(ids, positions, slots, context lengths) of decode rows 0..len(rows)-1, their block
+    tables staged as diffs in `table_rows`."""
+    ids, pos, slots, ctx = [], [], [], []
+    for i, r in enumerate(rows):
+        table = r.block_table[: table_rows.max_blocks]  # blocks past the context: unused
+        ids.append(r.token_id)
+        pos.append(r.position)
+        slots.append(table[r.position // block_size] * block_size + r.position % block_size)
+        ctx.append(r.position + 1)
+        table_rows.stage(i, table, r.seq_id, r.table_epoch)
+    return ids, pos, slots, ctx
+
+
 class InputBatch:
     def __init__(
         self,
@@ -136,14 +152,7 @@ class InputBatch:
         assert 0 < n <= bucket <= self.max_rows, (n, bucket, self.max_rows)
         bs = self.layout.block_size
         host = self._staging
-        ids, pos, slots, ctx = [], [], [], []
-        for i, r in enumerate(rows):
-            table = r.block_table[: self.max_blocks]  # blocks past the model's context: unused
-            ids.append(r.token_id)
-            pos.append(r.position)
-            slots.append(table[r.position // bs] * bs + r.position % bs)
-            ctx.append(r.position + 1)
-            self.table_rows.stage(i, table, r.seq_id, r.table_epoch)
+        ids, pos, slots, ctx = stage_decode_rows(rows, self.table_rows, bs)
         pad = bucket - n
         ids += [0] * pad
         pos += [0] * pad

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4pool.model.attention import AttentionMetadata
-from ds4pool.model.input_batch import DecodeRow, TableRows
+from ds4pool.model.input_batch import DecodeRow, TableRows, stage_decode_rows
 from ds4pool.model.kv_layout import KVLayout
 
 IDS, POSITIONS, SLOTS, LOGIT_ROWS = range(4)
@@ -103,14 +103,7 @@ class MixedBatch:
         assert 0 <= b <= bb <= self.max_rows and 0 < c <= cb <= self.max_chunk, (b, bb, c, cb)
         assert len(sampled) <= bb + 1
         bs, scratch = self.layout.block_size, self.layout.scratch_slot
-        ids, pos, slots, ctx = [], [], [], []
-        for j, r in enumerate(decodes):
-            table = r.block_table[: self.max_blocks]
-            ids.append(r.token_id)
-            pos.append(r.position)
-            slots.append(table[r.position // bs] * bs + r.position % bs)
-            ctx.append(r.position + 1)
-            self.table_rows.stage(j, table, r.seq_id, r.table_epoch)
+        ids, pos, slots, ctx = stage_decode_rows(decodes, self.table_rows, bs)
         for j in range(b, bb):
             self.table_rows.forget(j)
         ids += [0] * (bb - b)
