@@ -16,6 +16,7 @@ from torch import nn
 
 from ds4pool.model.attention import AttentionMetadata
 from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
+from ds4pool.model.causal_lm import PagedCausalLM
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from ds4pool.model.mla import MLAAttention
@@ -64,35 +65,17 @@ class DeepseekV3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.rope)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    """One forward per step over a ragged batch; returns hidden states [T, E]."""
+class DeepseekV3ForCausalLM(PagedCausalLM):
+    """DeepSeek-V3's layers in the shared decoder forward (model/causal_lm.py)."""
 
     # The reference MLA backend has no graph-safe kernel yet: decode steps run eagerly.
     supports_cuda_graphs = False
 
     def __init__(self, cfg: ModelConfig, backend: MLABackend | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.ops: TorchOps = TorchOps()
-        self.model = DeepseekV3Model(cfg, backend or TorchMLAAttention())
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, DeepseekV3Model(cfg, backend or TorchMLAAttention()))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [1, N + 1, block_size, 1, R + r]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, E]
-        ops, layers = self.ops, self.model.layers
-        residual = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(meta.positions, residual.dtype)  # cos, sin [T, 1, r]
-        h = ops.rms_norm(layers[0].input_layernorm, residual)
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        for layer, cache, next_norm in zip(layers, kv_caches, norms):
-            h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
-        return h
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        return self.model.rotary_emb(positions, dtype)  # cos, sin [T, 1, r]
 
     def float32_modules(self) -> list[nn.Module]:
         """Modules kept in float32 whatever the model dtype, as transformers keeps them
@@ -101,14 +84,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         return [
             layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)
         ]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
-        return self.lm_head(hidden)
-
-    def set_attention_backend(self, backend: MLABackend, ops: TorchOps) -> None:
-        self.ops = ops
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
 
     def fuse_projections(self) -> None:
         """After loading: gate/up → gate_up_proj in the dense MLPs and shared experts."""

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from ds4pool.model.causal_lm import PagedCausalLM
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
 from ds4pool.model.moe import SYNC_FREE, SparseMoeBlock, expert_impl
@@ -116,37 +117,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
 
-class LlamaForCausalLM(nn.Module):
-    """One forward per step over a ragged batch; returns hidden states [T, E].
-
-    Logits are computed separately (`compute_logits`) and only for the rows that need
-    them, usually the last token of each sequence: the LM head is the largest matmul.
-    """
+class LlamaForCausalLM(PagedCausalLM):
+    """The Llama family's forward (model/causal_lm.py) with RoPE by the runner's ops."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.ops: TorchOps = TorchOps()
-        self.model = LlamaModel(cfg, backend or TorchPagedAttention())
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, LlamaModel(cfg, backend or TorchPagedAttention()))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, N_blocks, block_size, H_kv, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, E]
-        ops = self.ops
-        layers = self.model.layers
-        residual = self.model.embed_tokens(input_ids)
-        rope = ops.rope(self.model.rotary_emb, meta.positions, residual.dtype)
-        h = ops.rms_norm(layers[0].input_layernorm, residual)
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        for layer, cache, next_norm in zip(layers, kv_caches, norms):
-            h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
-        return h
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        return self.ops.rope(self.model.rotary_emb, positions, dtype)
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -158,15 +136,6 @@ class LlamaForCausalLM(nn.Module):
             for m in self.modules()
             if isinstance(m, SparseMoeBlock)
         )
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
-        return self.lm_head(hidden)
-
-    def set_attention_backend(self, backend: AttentionBackend, ops: TorchOps) -> None:
-        """The runner's choice: paged attention and the elementwise kernels that go with it."""
-        self.ops = ops
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
 
     def fuse_projections(self) -> None:
         """After loading: q/k/v → qkv_proj and gate/up → gate_up_proj in every layer."""
