@@ -35,6 +35,9 @@ Histogram buckets (upper bounds, seconds unless noted):
   minutes on a CPU; a long generation runs for minutes.
 - TOKEN_LATENCY_BUCKETS — inter-token latency and step duration: 1 ms … 10 s, dense
   between 10 and 200 ms where decode steps of a batched GPU server live.
+- HOST_BUCKETS — host time of a step outside its forward (planning + writeback): 0.1 ms …
+  1 s; a few hundred µs is normal, milliseconds next to a ~5 ms GPU step is what an
+  overlapped loop would win back.
 - RESTORE_BUCKETS — KV restore per tier: 1 ms … 30 s (a RAM→device copy is milliseconds;
   a large lz4 snapshot read from disk can take seconds).
 - BATCH_SIZE_BUCKETS (sequences per step): 1 … 512, roughly ×1.5 steps around the default
@@ -74,6 +77,9 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
     10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+HOST_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
 TOKEN_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
@@ -191,6 +197,14 @@ class Metrics:
             "ds4pool_step_duration_seconds",
             "Wall time of one forward step (model, sampling, the host sync).",
             buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+        self.step_host = Histogram(
+            "ds4pool_step_host_seconds",
+            "Host time of one step outside the forward: planning the batch and writing back "
+            "its tokens (the device waits meanwhile).",
+            buckets=HOST_BUCKETS,
             registry=r,
         )
 
@@ -425,10 +439,13 @@ class MetricsSchedulerObserver(SchedulerObserver):
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
-    def step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+    def step(
+        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
+    ) -> None:
         self.m.batch_size.observe(batch_size)
         self.m.batch_tokens.observe(num_tokens)
         self.m.step_duration.observe(seconds)
+        self.m.step_host.observe(host_seconds)
 
     def admitted(self, queue_wait_s: float) -> None:
         self.m.queue_wait.observe(queue_wait_s)

@@ -48,7 +48,9 @@ class SchedulerConfig:
 class SchedulerObserver:
     """Hooks for metrics; the default does nothing."""
 
-    def step(self, batch_size: int, num_tokens: int, seconds: float) -> None: ...
+    def step(
+        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
+    ) -> None: ...
 
     def admitted(self, queue_wait_s: float) -> None: ...
 
