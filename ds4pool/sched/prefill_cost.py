@@ -15,7 +15,8 @@ top of `max_prefill_tokens`, which stays the token bound): a decoder's inter-tok
 the step's length, and a 512-token chunk at a 16k context costs ~5x what it costs at 2k
 (docs/BENCHMARKS.md, "Chunked prefill next to decoders"). A chunk is rounded down to one of
 `chunk_sizes` (the runner's CUDA-graph chunk buckets) unless it is the prompt's last: a chunk
-between two buckets would be padded up to the larger one and cost it.
+between two buckets would be padded up to the larger one and cost it (only a step's first
+chunk: a step with several runs eagerly, unpadded).
 """
 
 from __future__ import annotations
@@ -67,16 +68,17 @@ class PrefillCost:
 
     def chunk(self, start: int, pending: int, work: float, first: bool) -> int:
         """Prompt tokens to take after `start` (of `pending`, already within the token
-        budgets) with `work` token-equivalents left; `first`: no other chunk in the step yet
-        (it takes at least min_chunk so that a prompt at a huge context still advances;
-        a later one takes nothing rather than overrun)."""
+        budgets) with `work` token-equivalents left. `first`: no other chunk in the step yet;
+        it is rounded down to a chunk size and takes at least min_chunk (the smallest size)
+        so that a prompt at a huge context still advances. A later chunk takes what fits, as
+        it is: a step of several chunks runs eagerly, unpadded."""
         n = self.fit(start, work)
         if n >= pending:
             return pending
+        if not first:
+            return n
         sizes = [s for s in self.chunk_sizes if s <= n]
         if sizes:
             n = sizes[-1]
         floor = min(pending, max(self.min_chunk, self.chunk_sizes[0] if self.chunk_sizes else 0))
-        if n < floor:
-            return floor if first else 0
-        return n
+        return max(n, floor)

@@ -62,7 +62,16 @@ def test_a_huge_context_still_advances_but_a_second_chunk_waits() -> None:
     c = cuda_cost()
     assert c.cost(1_000_000, 32) > c.budget
     assert c.chunk(1_000_000, 512, c.budget, first=True) == 32  # the smallest bucket
-    assert c.chunk(1_000_000, 512, c.budget - 1, first=False) == 0
+    left = c.budget - c.cost(1_000_000, 32)  # the first chunk overran the budget
+    assert c.chunk(1_000_000, 512, left, first=False) == 0
+
+
+def test_a_later_chunk_in_the_step_takes_what_fits_unrounded() -> None:
+    # a step with two chunks runs eagerly: no graph bucket to pad to
+    c = cuda_cost()
+    left = c.budget - c.cost(3000, 294)  # a resumed turn's tool result took its share
+    n = c.chunk(3100, 218, left, first=False)
+    assert n == c.fit(3100, left) and n not in BUCKETS and 0 < n < 218
     # without graph buckets the floor is min_chunk (and never more than what is pending)
     plain = PrefillCost(4096, 112)
     assert plain.chunk(1_000_000, 64, 112, first=True) == 16
