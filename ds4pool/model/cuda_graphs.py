@@ -99,9 +99,12 @@ class StepGraphs:
         mixed: MixedBatch | None = None,
         mixed_partitions: Callable[[int, int], int] | None = None,
         mode: str = "lazy",
+        max_gather_tokens: int | None = None,
     ) -> None:
         """`mixed_partitions(chunk_bucket, width_tokens)`: the prefill kernel's fixed split-K
-        factor for a mixed shape (from the attention backend). `mode`: "lazy" or "ahead"."""
+        factor for a mixed shape (from the attention backend). `mode`: "lazy" or "ahead".
+        `max_gather_tokens`: no graph for a key whose bucket x width (tokens) exceeds it
+        (a backend whose decode gathers the padded context; its step runs eagerly)."""
         assert mode in ("lazy", "ahead"), mode
         self.model = model
         self.kv_caches = list(kv_caches)
@@ -112,6 +115,7 @@ class StepGraphs:
         assert self.buckets and self.buckets[-1] <= batch.max_rows
         self.mixed = mixed
         self.mixed_partitions = mixed_partitions
+        self.max_gather_tokens = max_gather_tokens
         self.chunks = chunk_buckets(mixed.max_chunk) if mixed is not None else []
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pending: dict[GraphKey, None] = {}  # ordered set: misses first, then the plan
@@ -151,9 +155,16 @@ class StepGraphs:
     def mixed_key(self, shape: MixedShape, max_context: int) -> GraphKey:
         return GraphKey(self.width_for(max_context), shape.chunk_bucket, shape.bucket)
 
+    def graphable(self, key: GraphKey) -> bool:
+        limit = self.max_gather_tokens
+        return limit is None or key.bucket * key.width * self.batch.layout.block_size <= limit
+
     def ready(self, key: GraphKey) -> bool:
         """Whether a step of this key replays a graph now. Lazy: always (captured on the
-        spot). Ahead: only once captured; a miss is queued for `capture_pending`."""
+        spot). Ahead: only once captured; a miss is queued for `capture_pending`. Never for
+        a key past `max_gather_tokens`."""
+        if not self.graphable(key):
+            return False
         if self.mode == "lazy" or key in self._graphs:
             return True
         self._pending.pop(key, None)
@@ -171,7 +182,8 @@ class StepGraphs:
             if w >= pool_blocks:
                 break
         chunks = [0, *self.chunks]
-        return sorted(GraphKey(w, c, b) for w in widths for c in chunks for b in self.buckets)
+        keys = (GraphKey(w, c, b) for w in widths for c in chunks for b in self.buckets)
+        return sorted(k for k in keys if self.graphable(k))
 
     def capture_ahead(self, max_seconds: float) -> CaptureReport:
         """Capture the plan's keys (not captured yet) over dummy inputs, in plan order, until

@@ -169,6 +169,7 @@ class ModelRunner:
                 self.mixed,
                 partitions,
                 mode,
+                getattr(self.backend, "graph_gather_tokens", None),
             )
 
     @property

@@ -86,7 +86,10 @@ def snapshot(runner: ModelRunner) -> list[torch.Tensor]:
     return [c.clone() for c in runner.kv_caches]
 
 
-def test_dummy_decode_inputs_write_only_the_scratch_block(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("model", ["demo", "random:deepseek-v3-tiny"])
+def test_dummy_decode_inputs_write_only_the_scratch_block(loaded: LoadedModel, model: str) -> None:
+    if model != "demo":  # latent attention: one plane, the MLA decode path
+        loaded = load_model(model, torch.device("cpu"), torch.float32)
     runner = ModelRunner(loaded, num_blocks=64, max_decode_batch=8)
     for c in runner.kv_caches:
         c.normal_()  # sessions' KV: any change shows
@@ -120,3 +123,32 @@ def test_dummy_mixed_inputs_address_only_the_scratch_block(loaded: LoadedModel) 
     tables = mixed.table_rows.tables
     for row, n in enumerate(ctx):  # the blocks each sequence's context reads
         assert (tables[row, : -(-n // bs)] == scratch).all()
+
+
+def test_a_gathering_backends_wide_keys_get_no_graph(loaded: LoadedModel) -> None:
+    # the torch MLA reference gathers bucket x width tokens of latent per layer: past its
+    # bound a decode step runs eagerly, in either mode, and the plan leaves the key out
+    runner = ModelRunner(loaded, num_blocks=300, max_decode_batch=8)
+    g = graphs_for(runner)
+    g.max_gather_tokens = 4 * 256 * runner.block_size  # bucket 4 at width 256 just fits
+    plan = g.plan()
+    assert GraphKey(256, 0, 4) in plan and GraphKey(256, 0, 8) not in plan
+    assert GraphKey(1024, 0, 1) in plan and GraphKey(1024, 0, 2) not in plan
+    assert not g.ready(GraphKey(256, 0, 8)) and g.eager_misses == 0 and not g._pending
+    lazy = graphs_for(runner, "lazy")
+    lazy.max_gather_tokens = g.max_gather_tokens
+    assert not lazy.ready(GraphKey(256, 0, 8)) and lazy.ready(GraphKey(256, 0, 4))
+
+
+def test_deepseek_v3_decode_is_graphable_where_its_experts_run_sync_free() -> None:
+    from ds4pool.model.attention_mla import TorchMLAAttention
+
+    mla = load_model("random:deepseek-v3-tiny", torch.device("cpu"), torch.float32)
+    moe = [m for m in mla.model.modules() if type(m).__name__ == "SparseMoeBlock"]
+    assert moe and not mla.model.supports_cuda_graphs  # CPU: the per-expert loop syncs
+    for m in moe:
+        m.impl = "grouped_mm"  # what CUDA bf16 picks
+    assert mla.model.supports_cuda_graphs
+    assert TorchMLAAttention.supports_cuda_graphs and TorchMLAAttention.graph_gather_tokens
+    # no mixed-step graphs for the reference: its prompt chunks are sliced by host lists
+    assert not hasattr(TorchMLAAttention, "graph_prefill_partitions")
