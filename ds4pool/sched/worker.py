@@ -4,6 +4,9 @@
 
 Submissions take only the scheduler's queue lock, so they never wait on the device.
 A step that raises fails exactly its batch (sessions rolled back); the loop goes on.
+With no work, the loop runs `idle()` (one short piece of device work, e.g. a CUDA graph
+capture; True while more remains) before it sleeps: a request that arrives meanwhile waits
+for that piece at most, never a step.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ds4pool.sched.scheduler import Scheduler
 
@@ -18,9 +22,16 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, scheduler: Scheduler, coalesce_us: int = 0) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        coalesce_us: int = 0,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.coalesce_s = coalesce_us / 1e6
+        self._idle = idle
+        self._idle_left = idle is not None  # idle() may have work: call it when idle
         self.engine_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ds4pool-worker", daemon=True)
@@ -41,10 +52,14 @@ class Worker:
         while True:
             with sched.wakeup:
                 idle = not sched.running
-                while not sched.has_work() and not self._stopping:
+                while not sched.has_work() and not self._stopping and not self._idle_left:
                     sched.wakeup.wait()
                 if self._stopping and not sched.has_work():
                     return
+                busy = sched.has_work()
+            if not busy:
+                self._run_idle()
+                continue
             if idle and self.coalesce_s > 0:
                 time.sleep(self.coalesce_s)  # let a burst of arrivals share the first step
             try:
@@ -53,6 +68,16 @@ class Worker:
                 log.exception("worker: unexpected error; failing the running requests")
                 sched.abort_running(exc)
                 time.sleep(0.01)
+
+    def _run_idle(self) -> None:
+        assert self._idle is not None
+        try:
+            with self.engine_lock:
+                self._idle_left = self._idle()
+        except Exception:  # idle work is an optimisation: never let it kill the loop
+            log.exception("worker: idle work failed; not retrying it")
+            self._idle = None
+            self._idle_left = False
 
     def _step(self) -> None:
         sched = self.scheduler
@@ -76,6 +101,7 @@ class Worker:
         t1 = time.perf_counter()
         sched.process(step, out)
         self.steps += 1
+        self._idle_left = self._idle is not None  # the step may have left idle work
         # host work around the forward (planning + writeback): the device idles meanwhile,
         # which is what an overlapped loop (plan step N+1 while step N runs) would win back
         host = (t0 - t_plan) + (time.perf_counter() - t1)
