@@ -173,6 +173,13 @@ def main() -> None:
         default=DECODE_MAX_PAIRS,
         help="with --experts auto: the decode kernels for steps of T*k up to this",
     )
+    ap.add_argument(
+        "--decode-gemv-tokens",
+        type=int,
+        default=None,
+        help="decode kernels: steps of up to this many tokens as GEMVs, larger as tl.dot tiles "
+        "(default: the kernels' GEMV_MAX_TOKENS; 0: tl.dot from one token)",
+    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -189,6 +196,7 @@ def main() -> None:
         if isinstance(m, SparseMoeBlock):
             m.impl = args.experts
             m.decode_max_pairs = args.decode_max_pairs
+            m.decode_gemv_tokens = args.decode_gemv_tokens
     if args.routing == "zipf":
         skew_routers_(loaded.model, args.zipf_alpha)
     assert cfg.moe is not None

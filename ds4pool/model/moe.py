@@ -241,6 +241,7 @@ class SparseMoeBlock(nn.Module):
         self.observer: Callable[[torch.Tensor], None] | None = None
         self.impl = "auto"  # one of EXPERT_IMPLS (benchmarks compare them)
         self.decode_max_pairs = DECODE_MAX_PAIRS  # where "auto" switches to grouped GEMMs
+        self.decode_gemv_tokens: int | None = None  # None: the decode kernels' own default
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
@@ -255,7 +256,7 @@ class SparseMoeBlock(nn.Module):
             weights, ids, groups = self.gate.route_decode(x)
             if self.observer is not None:
                 self.observer(ids)
-            out = decode_experts(x, weights, ids, groups, gate_up, down)
+            out = decode_experts(x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens)
         else:
             weights, ids = self.gate(x)
             if self.observer is not None:

@@ -28,15 +28,18 @@ ROUTER_CASES: dict[str, tuple[str, bool, int, int, int]] = {
     "qwen3_plain_ragged": ("softmax_topk", False, 5, 24, 3),
     "mixtral_16_tokens": ("topk_softmax", False, 16, 8, 2),
 }
-# block case → (router, tokens, dtype): the whole SparseMoeBlock, decode path vs the loop
-BLOCK_CASES: dict[str, tuple[str, int, str]] = {
-    "qwen3_moe_t1": ("softmax_topk", 1, "float32"),
-    "qwen3_moe_t7": ("softmax_topk", 7, "float32"),
-    "qwen3_moe_t16_dot": ("softmax_topk", 16, "float32"),
-    "qwen3_moe_fp16": ("softmax_topk", 6, "float16"),
-    "mixtral_t3": ("topk_softmax", 3, "float32"),
-    "deepseek_v3_t5": ("sigmoid_group_topk", 5, "float32"),
-    "deepseek_v3_t1": ("sigmoid_group_topk", 1, "float32"),
+# block case → (router, tokens, dtype, GEMV up to this many tokens; None: the default):
+# the whole SparseMoeBlock on the decode path vs the loop, both kinds of expert tiles
+BLOCK_CASES: dict[str, tuple[str, int, str, int | None]] = {
+    "qwen3_moe_t1_gemv": ("softmax_topk", 1, "float32", None),
+    "qwen3_moe_t1_dot": ("softmax_topk", 1, "float32", 0),
+    "qwen3_moe_t5_gemv": ("softmax_topk", 5, "float32", 8),
+    "qwen3_moe_t7_dot": ("softmax_topk", 7, "float32", None),
+    "qwen3_moe_t20_dot": ("softmax_topk", 20, "float32", None),
+    "qwen3_moe_fp16": ("softmax_topk", 6, "float16", None),
+    "mixtral_t3": ("topk_softmax", 3, "float32", None),
+    "deepseek_v3_t5": ("sigmoid_group_topk", 5, "float32", None),
+    "deepseek_v3_t1": ("sigmoid_group_topk", 1, "float32", None),
 }
 
 
@@ -72,13 +75,14 @@ def _block_case(name: str) -> dict[str, Any]:
     from ds4pool.model.config import MoEConfig
     from ds4pool.model.moe import SparseMoeBlock
 
-    router, t, dtype = BLOCK_CASES[name]
+    router, t, dtype, gemv_tokens = BLOCK_CASES[name]
     hidden = 48
     if router == "sigmoid_group_topk":  # groups of 4, 2 kept, 2 shared experts, scaled
         moe = MoEConfig(16, 4, 40, router, (0,), True, 4, 2, 2.5, num_shared_experts=2)
     else:
         moe = MoEConfig(12, 3, 40, router, (0,), norm_topk_prob=True)
     block = SparseMoeBlock(moe, hidden)
+    block.decode_gemv_tokens = gemv_tokens
     gen = torch.Generator().manual_seed(len(name))
     with torch.no_grad():
         for p in block.parameters():

@@ -18,11 +18,11 @@ comparing the [T, k] ids with its expert, a few dozen integers, instead of a dev
 Pair p = t·k + j is token t's j-th expert; h [R, I] and y [R, H] are in the input dtype,
 rounded where the reference rounds its matmul outputs. The combine is a pass of its own
 (not atomics) so that a token's sum has a fixed order: same result run to run and batch to
-batch. Rows are multiplied by broadcasting below 16 tokens (a GEMV: no tensor-core tile to
-pad) and by tl.dot from 16 on.
+batch. A step of one token multiplies by broadcasting (a GEMV), larger ones by tl.dot
+tiles padded to 16 rows (`GEMV_MAX_TOKENS`).
 
 The route kernel covers the softmax routers (Qwen3-MoE, Mixtral); DeepSeek-V3's
-group-limited sigmoid router stays in torch (moe.route) and `expert_groups` builds the
+group-limited sigmoid router stays in torch (routers.route) and `expert_groups` builds the
 groups from its ids in one more launch.
 """
 
@@ -258,15 +258,23 @@ def expert_groups(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return groups
 
 
-def _tiles(tokens: int, block_n_gemv: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, tl.dot?) for a projection over `tokens` rows: below 16
-    tokens broadcast-multiply tiles of ~4K products (a GEMV's wide K strips, then narrower as
-    tokens grow); from 16 on tl.dot tiles."""
+# Steps of up to this many tokens multiply by broadcasting (a GEMV per row); above, tl.dot
+# tiles of >= 16 rows (padding rows cost tensor-core time only, which decode has to spare,
+# and Triton pipelines a dot loop's loads, which it does not for the GEMV's). Where the
+# switch should be on a GPU: bench/moe.py --decode-gemv-tokens.
+GEMV_MAX_TOKENS = 1
+
+
+def _tiles(
+    tokens: int, block_n: int, itemsize: int, gemv_max_tokens: int
+) -> tuple[int, int, int, bool]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, tl.dot?) for a projection over `tokens` rows: GEMV tiles
+    of ~4K products (wide K strips for one row, narrower as rows grow), else dot tiles."""
     block_t = _pow2(tokens)
-    if block_t >= 16:
-        return block_t, 32, 64, True
-    block_k = max(16, min(256, 4096 // (block_t * block_n_gemv)))
-    return block_t, block_n_gemv, block_k, False
+    if tokens > gemv_max_tokens:
+        block_t = max(16, block_t)
+        return block_t, block_n, 128 if itemsize <= 2 and block_t <= 32 else 64, True
+    return block_t, block_n, max(16, min(256, 4096 // (block_t * block_n))), False
 
 
 def decode_experts(
@@ -276,6 +284,7 @@ def decode_experts(
     groups: torch.Tensor,  # [G] from route_topk / expert_groups
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
+    gemv_max_tokens: int | None = None,  # None: GEMV_MAX_TOKENS
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · down[e](silu·mul(gate_up[e] x[t])) for each token's k experts
     e = ids[t, j]: three launches (gate_up, down, combine)."""
@@ -294,14 +303,15 @@ def decode_experts(
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    bt, bn, bk, dot = _tiles(t, 16)
+    gemv_max_tokens = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
+    bt, bn, bk, dot = _tiles(t, 16, x.element_size(), gemv_max_tokens)
     _gate_up_kernel[(g, triton.cdiv(inter, bn))](
         x, gate_up, ids, groups, h, t, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=_pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, num_warps=4,
     )  # fmt: skip
-    bt, bn, bk, dot = _tiles(t, 32)
+    bt, bn, bk, dot = _tiles(t, 32, x.element_size(), gemv_max_tokens)
     _down_kernel[(g, triton.cdiv(hidden, bn))](
         h, down, ids, groups, y, t, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
