@@ -1,4 +1,4 @@
-"""Mixture-of-experts: routers and the expert-grouped compute, as plain functions.
+"""Mixture-of-experts: the expert compute as plain functions, and the sparse block.
 
 Shapes: T = tokens in the step (the whole ragged batch), H = hidden size, E = experts,
 k = experts per token, I = one expert's intermediate size, R = T * k routed rows.
@@ -16,11 +16,11 @@ once per step however many tokens chose it, and an expert no token chose is not 
 It has no host sync (counts, offsets and the permutation stay on the device), so a decode
 step through it can be captured in a CUDA graph. `looped_experts` is the reference and the CPU
 path: one matmul pair per expert that some token chose (it reads which ones on the host).
-For small decode steps (T·k ≤ `DECODE_MAX_PAIRS`) "auto" on CUDA takes the decode path of
-model/kernels/triton_moe_decode.py instead: the router fused into one launch, then gate_up,
-down and combine kernels that read each chosen expert once, a few launches per layer
-instead of ~15. All combine a token's k outputs in its top-k order, in float32, so they
-agree to rounding.
+For small decode steps (T·k ≤ `DECODE_MAX_PAIRS`) "auto" on CUDA takes the decode path
+instead: the router fused into one launch (model/kernels/triton_moe_route.py), then gate_up,
+down and combine kernels that read each chosen expert once (triton_moe_decode.py), five
+launches per layer with the router's linear instead of ~15. All combine a token's k outputs
+in its top-k order, in float32, so they agree to rounding.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def experts_forward(
     if chosen == "loop":
         return looped_experts(x, weights, ids, gate_up, down, act)
     if chosen == "decode":
-        from ds4pool.model.kernels.triton_moe_decode import decode_experts, expert_groups
+        from ds4pool.model.kernels.triton_moe_decode import decode_experts
+        from ds4pool.model.kernels.triton_moe_route import expert_groups
 
         groups = expert_groups(ids, gate_up.shape[0])
         return decode_experts(x, weights, ids, groups, gate_up, down)
@@ -193,24 +194,20 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] → [T, E]
         if self.moe.router == "sigmoid_group_topk":  # DeepSeek scores in float32
-            logits = F.linear(x.float(), self.weight.float())
-        else:
-            logits = F.linear(x, self.weight)  # [T, E]
-        return route(self.moe, logits, self.e_score_correction_bias)
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
+        return route(self.moe, self.logits(x), self.e_score_correction_bias)
 
     def route_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights, ids, groups) for the decode path: the softmax routers in one Triton
-        launch after the linear; DeepSeek-V3's in torch, then its groups in one launch."""
-        from ds4pool.model.kernels import triton_moe_decode as kernels
+        """(weights, ids, groups) for the decode path: the router's linear, then the routing
+        and the step's expert groups in one Triton launch."""
+        from ds4pool.model.kernels.triton_moe_route import route_fused
 
-        if self.moe.router == "sigmoid_group_topk":
-            weights, ids = self(x)
-            return weights, ids, kernels.expert_groups(ids, self.moe.num_experts)
-        softmax_all = self.moe.router == "softmax_topk"
-        normalize = softmax_all and self.moe.norm_topk_prob
-        return kernels.route_topk(F.linear(x, self.weight), self.moe.top_k, softmax_all, normalize)
+        return route_fused(self.moe, self.logits(x), self.e_score_correction_bias)
 
 
 class Experts(nn.Module):

@@ -88,6 +88,36 @@ def test_decode_path_matches_the_reference_loop(tokens: int, dtype: str) -> None
         assert rel_err(got.cpu(), truth) <= 1.25 * rel_err(looped.cpu(), truth) + 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize(
+    ("router", "experts", "n_group", "topk_group"),
+    [("softmax_topk", 128, 1, 1), ("topk_softmax", 8, 1, 1), ("sigmoid_group_topk", 256, 8, 4)],
+)
+def test_fused_router_matches_the_torch_router(
+    router: str, experts: int, n_group: int, topk_group: int, tokens: int
+) -> None:
+    """The compiled route kernel (not the interpreter) against model/routers.py, float32
+    logits: the same experts (as sets: DeepSeek's reference top-k is unsorted), the same
+    weights, and the step's distinct experts as groups."""
+    needs("decode")
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_route import route_fused
+    from ds4pool.model.routers import route
+
+    k = 2 if experts == 8 else 8
+    moe = MoEConfig(experts, k, 16, router, (0,), True, n_group, topk_group, 2.5)
+    gen = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=gen).to(CUDA)
+    bias = (torch.rand(experts, generator=gen) * 0.2).to(CUDA) if n_group > 1 else None
+    w, ids, groups = route_fused(moe, logits, bias)
+    want_w, want_ids = route(moe, logits, bias)
+    o, wo = ids.argsort(dim=1), want_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, o), want_ids.gather(1, wo))
+    assert torch.allclose(w.gather(1, o), want_w.gather(1, wo), atol=1e-6)
+    distinct = torch.unique(want_ids).tolist()
+    assert groups.tolist() == distinct + [-1] * (min(experts, tokens * k) - len(distinct))
+
+
 def test_auto_takes_the_decode_path_for_small_steps_only() -> None:
     needs("decode")
     assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=8) == "decode"

@@ -21,12 +21,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# router case → (router, norm_topk_prob, tokens, experts, top-k): non-power-of-two experts
-# and tokens, one token, and the 16 tokens where the expert kernels switch to tl.dot
-ROUTER_CASES: dict[str, tuple[str, bool, int, int, int]] = {
-    "qwen3_norm_one_token": ("softmax_topk", True, 1, 60, 4),
-    "qwen3_plain_ragged": ("softmax_topk", False, 5, 24, 3),
-    "mixtral_16_tokens": ("topk_softmax", False, 16, 8, 2),
+# router case → (router, norm_topk_prob, tokens, experts, top-k, groups, groups kept):
+# non-power-of-two experts and tokens, one token, 16 tokens, DeepSeek-V3's group limit
+ROUTER_CASES: dict[str, tuple[str, bool, int, int, int, int, int]] = {
+    "qwen3_norm_one_token": ("softmax_topk", True, 1, 60, 4, 1, 1),
+    "qwen3_plain_ragged": ("softmax_topk", False, 5, 24, 3, 1, 1),
+    "mixtral_16_tokens": ("topk_softmax", False, 16, 8, 2, 1, 1),
+    "deepseek_v3_groups": ("sigmoid_group_topk", True, 7, 32, 4, 8, 3),
+    "deepseek_v3_one_group": ("sigmoid_group_topk", False, 3, 20, 6, 1, 1),
+    "deepseek_v3_singleton_groups": ("sigmoid_group_topk", True, 2, 8, 2, 8, 4),
 }
 # block case → (router, tokens, dtype, GEMV up to this many tokens; None: the default):
 # the whole SparseMoeBlock on the decode path vs the loop, both kinds of expert tiles
@@ -46,17 +49,21 @@ BLOCK_CASES: dict[str, tuple[str, int, str, int | None]] = {
 def _router_case(name: str) -> dict[str, Any]:
     import torch
 
-    from ds4pool.model.kernels.triton_moe_decode import expert_groups, route_topk
-    from ds4pool.model.routers import route_softmax_topk, route_topk_softmax
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_route import expert_groups, route_fused
+    from ds4pool.model.routers import route
 
-    router, norm, t, e, k = ROUTER_CASES[name]
-    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(len(name)))
-    softmax_all = router == "softmax_topk"
-    w, ids, groups = route_topk(logits, k, softmax_all, norm)
-    if softmax_all:
-        want_w, want_ids = route_softmax_topk(logits, k, norm)
-    else:
-        want_w, want_ids = route_topk_softmax(logits, k)
+    router, norm, t, e, k, n_group, topk_group = ROUTER_CASES[name]
+    moe = MoEConfig(e, k, 16, router, (0,), norm, n_group, topk_group, 2.5)
+    gen = torch.Generator().manual_seed(len(name))
+    logits = torch.randn(t, e, generator=gen)
+    bias = torch.rand(e, generator=gen) * 0.2 if router == "sigmoid_group_topk" else None
+    w, ids, groups = route_fused(moe, logits, bias)
+    want_w, want_ids = route(moe, logits, bias)
+    if router == "sigmoid_group_topk":  # the reference's top-k is unsorted: compare as sets
+        order, want_order = ids.argsort(dim=1), want_ids.argsort(dim=1)
+        w, ids = w.gather(1, order), ids.gather(1, order)
+        want_w, want_ids = want_w.gather(1, want_order), want_ids.gather(1, want_order)
     distinct = sorted(set(want_ids.flatten().tolist()))
     want_groups = distinct + [-1] * (min(e, t * k) - len(distinct))
     return {

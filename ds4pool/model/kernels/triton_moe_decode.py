@@ -5,7 +5,7 @@ For a decode step of T tokens with k experts each (R = T·k pairs, a few dozen) 
 GEMM path spends most of its time in ~15 small launches and in 16-row tiles that are mostly
 padding. Here a MoE layer is four launches after the router's linear:
 
-    route    logits [T, E] → weights [T, k] f32, ids [T, k] i64, groups [G]   one program
+    route    logits [T, E] → weights [T, k] f32, ids [T, k] i64, groups [G]   (triton_moe_route)
     gate_up  h[pair] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)   grid (G, I / BLOCK_N)
     down     y[pair] = h[pair] @ down[e].T                          grid (G, H / BLOCK_N)
     combine  out[t] = Σ_j weights[t, j] · y[t·k + j]  (float32, slot order)   grid (T, H / BLOCK_N)
@@ -20,10 +20,6 @@ rounded where the reference rounds its matmul outputs. The combine is a pass of 
 (not atomics) so that a token's sum has a fixed order: same result run to run and batch to
 batch. A step of one token multiplies by broadcasting (a GEMV), larger ones by tl.dot
 tiles padded to 16 rows (`GEMV_MAX_TOKENS`).
-
-The route kernel covers the softmax routers (Qwen3-MoE, Mixtral); DeepSeek-V3's
-group-limited sigmoid router stays in torch (routers.route) and `expert_groups` builds the
-groups from its ids in one more launch.
 """
 
 from __future__ import annotations
@@ -32,76 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _store_groups(used, experts, groups_ptr, num_groups, BLOCK_G: tl.constexpr):
-    """used [BLOCK_E] int32 (1: some pair chose expert e) → groups[: count] = those experts in
-    ascending order, groups[count: num_groups] = -1."""
-    rank = tl.cumsum(used, axis=0) - 1
-    tl.store(groups_ptr + rank, experts, mask=used > 0)
-    count = tl.sum(used, axis=0)
-    g = tl.arange(0, BLOCK_G)
-    tl.store(groups_ptr + g, tl.full([BLOCK_G], -1, tl.int32), mask=(g >= count) & (g < num_groups))
-
-
-@triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups, stride_l,
-    TOP_K: tl.constexpr, SOFTMAX_ALL: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    tok = tl.arange(0, BLOCK_T)
-    col = tl.arange(0, BLOCK_E)
-    slot = tl.arange(0, BLOCK_KS)
-    t_ok = tok < t
-    e_ok = col < e
-    x = tl.load(
-        logits_ptr + tok[:, None] * stride_l + col[None, :],
-        mask=t_ok[:, None] & e_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    x = tl.where(e_ok[None, :], x, float("-inf"))  # [BLOCK_T, BLOCK_E]
-    top = tl.max(x, axis=1)  # [BLOCK_T]
-    top_w = tl.zeros((BLOCK_T, BLOCK_KS), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_T, BLOCK_KS), dtype=tl.int32)
-    used = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    vals = x
-    for j in tl.static_range(TOP_K):  # descending, the lowest index first on ties (torch.topk)
-        best = tl.max(vals, axis=1)
-        idx = tl.argmax(vals, axis=1, tie_break_left=True)
-        top_w = tl.where(slot[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(slot[None, :] == j, idx[:, None], top_i)
-        hit = col[None, :] == idx[:, None]
-        used = tl.maximum(used, tl.max((hit & t_ok[:, None]).to(tl.int32), axis=0))
-        vals = tl.where(hit, float("-inf"), vals)
-    s_ok = slot[None, :] < TOP_K
-    if SOFTMAX_ALL:  # Qwen3-MoE: softmax over all E, then the top k (renormalised if asked)
-        denom = tl.sum(tl.exp(x - top[:, None]), axis=1)
-        w = tl.where(s_ok, tl.exp(top_w - top[:, None]) / denom[:, None], 0.0)
-        if NORMALIZE:
-            w = w / tl.sum(w, axis=1)[:, None]
-    else:  # Mixtral: softmax over the k chosen logits
-        w = tl.where(s_ok, tl.exp(top_w - top[:, None]), 0.0)
-        w = w / tl.sum(w, axis=1)[:, None]
-    out = tok[:, None] * TOP_K + slot[None, :]
-    mask = t_ok[:, None] & s_ok
-    tl.store(weights_ptr + out, w, mask=mask)
-    tl.store(ids_ptr + out, top_i.to(tl.int64), mask=mask)
-    _store_groups(used, col, groups_ptr, num_groups, BLOCK_G)
-
-
-@triton.jit
-def _groups_kernel(
-    ids_ptr, groups_ptr, r, num_groups,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    col = tl.arange(0, BLOCK_E)
-    used = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for r0 in range(0, r, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        ids = tl.load(ids_ptr + rows, mask=rows < r, other=-1).to(tl.int32)
-        used = tl.maximum(used, tl.max((col[:, None] == ids[None, :]).to(tl.int32), axis=1))
-    _store_groups(used, col, groups_ptr, num_groups, BLOCK_G)
+from ds4pool.model.kernels.triton_moe_route import pow2
 
 
 @triton.jit
@@ -213,51 +140,6 @@ def _combine_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
-
-
-def num_groups(tokens: int, top_k: int, experts: int) -> int:
-    """G: the most distinct experts a step of `tokens` tokens can choose."""
-    return max(1, min(experts, tokens * top_k))
-
-
-def route_topk(
-    logits: torch.Tensor, top_k: int, softmax_all: bool, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [T, E] → (weights [T, k] float32, ids [T, k] int64, groups [G] int32), one
-    launch: Qwen3-MoE's router (softmax_all, normalize = norm_topk_prob) or Mixtral's (top-k
-    logits, softmax over them)."""
-    t, e = logits.shape
-    assert logits.stride(1) == 1 and top_k <= e, (logits.shape, top_k)
-    dev = logits.device
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
-    g = num_groups(t, top_k, e)
-    groups = torch.empty(g, dtype=torch.int32, device=dev)
-    _route_kernel[(1,)](
-        logits, weights, ids, groups, t, e, g, logits.stride(0),
-        TOP_K=top_k, SOFTMAX_ALL=softmax_all, NORMALIZE=normalize,
-        BLOCK_T=_pow2(t), BLOCK_E=_pow2(e), BLOCK_KS=_pow2(top_k), BLOCK_G=_pow2(g),
-        num_warps=4,
-    )  # fmt: skip
-    return weights, ids, groups
-
-
-def expert_groups(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """ids [T, k] → groups [G] int32 (the distinct experts ascending, then -1), one launch:
-    for routers computed elsewhere (DeepSeek-V3's, in torch)."""
-    t, k = ids.shape
-    ids = ids.contiguous()
-    g = num_groups(t, k, num_experts)
-    groups = torch.empty(g, dtype=torch.int32, device=ids.device)
-    _groups_kernel[(1,)](
-        ids, groups, t * k, g,
-        BLOCK_R=16, BLOCK_E=_pow2(num_experts), BLOCK_G=_pow2(g), num_warps=4,
-    )  # fmt: skip
-    return groups
-
-
 # Steps of up to this many tokens multiply by broadcasting (a GEMV per row); above, tl.dot
 # tiles of >= 16 rows (padding rows cost tensor-core time only, which decode has to spare,
 # and Triton pipelines a dot loop's loads, which it does not for the GEMV's). Where the
@@ -270,7 +152,7 @@ def _tiles(
 ) -> tuple[int, int, int, bool]:
     """(BLOCK_T, BLOCK_N, BLOCK_K, tl.dot?) for a projection over `tokens` rows: GEMV tiles
     of ~4K products (wide K strips for one row, narrower as rows grow), else dot tiles."""
-    block_t = _pow2(tokens)
+    block_t = pow2(tokens)
     if tokens > gemv_max_tokens:
         block_t = max(16, block_t)
         return block_t, block_n, 128 if itemsize <= 2 and block_t <= 32 else 64, True
@@ -308,14 +190,14 @@ def decode_experts(
     _gate_up_kernel[(g, triton.cdiv(inter, bn))](
         x, gate_up, ids, groups, h, t, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOP_K=k, BLOCK_T=bt, BLOCK_KS=_pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
+        TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, num_warps=4,
     )  # fmt: skip
     bt, bn, bk, dot = _tiles(t, 32, x.element_size(), gemv_max_tokens)
     _down_kernel[(g, triton.cdiv(hidden, bn))](
         h, down, ids, groups, y, t, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        TOP_K=k, BLOCK_T=bt, BLOCK_KS=_pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
+        TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, num_warps=4,
     )  # fmt: skip
     block_c = 256
