@@ -209,7 +209,8 @@ def main() -> None:
         routing = f"ZIPF-SKEWED alpha {args.zipf_alpha} (illustration, not a trained model)"
     wb = weight_bytes(loaded)
     bs = 16
-    num_blocks = -(-(args.prompt_len + args.steps + 3) // bs) * max(args.batch) + 1
+    # + 3: warm-up steps and the last token; --profile runs 5 steps of its own
+    num_blocks = -(-(args.prompt_len + max(args.steps, 5) + 3) // bs) * max(args.batch) + 1
     common = {"num_blocks": num_blocks, "block_size": bs, "backend": args.backend}
     max_batch = max(64, max(args.batch))
     runner = ModelRunner(
