@@ -94,10 +94,12 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 # device and dtype, else the loop.
 EXPERT_IMPLS = ("auto", "grouped_mm", "triton", "decode", "loop")
 SYNC_FREE = ("grouped_mm", "triton", "decode")
-# T·k up to which "auto" takes the decode path (batch 16 at top-8): its programs serve one
-# expert each and multiply every token row of the step, so past this many pairs the tiled
-# grouped GEMMs win. Where the crossover lies on a GPU: bench/moe.py --decode-max-pairs.
-DECODE_MAX_PAIRS = 128
+# T·k up to which "auto" takes the decode path (batch 64 at top-8): its programs serve one
+# expert each and multiply every token row of the step, so with enough pairs the tiled
+# grouped GEMMs win. Measured on the H200 (bench/moe_layer.py, Qwen3-30B-A3B layer,
+# 2026-12-01): the decode path is faster at every T from 1 to 64 (422 vs 517 µs a layer at
+# 64 tokens); past 64 tokens it was not measured, so prefill chunks keep the grouped GEMMs.
+DECODE_MAX_PAIRS = 512
 
 
 def expert_impl(

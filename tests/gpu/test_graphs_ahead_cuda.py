@@ -86,7 +86,7 @@ def test_a_16k_prefill_next_to_decoders_replays_graphs_captured_ahead(
 def test_the_engine_captures_at_start_up_and_not_while_serving(loaded: LoadedModel) -> None:
     e = Engine(EngineConfig(kv_device_gb=0.5, max_batch_size=8), loaded=loaded)
     steps: list[tuple[int, int]] = []
-    e.scheduler.observer.step = lambda b, n, s: steps.append((b, n))  # type: ignore[method-assign]
+    e.scheduler.observer.step = lambda b, n, *_: steps.append((b, n))  # type: ignore[method-assign]
     try:
         report, g = e.graph_capture, e.runner.graphs
         assert report is not None and g is not None and report.pending == 0

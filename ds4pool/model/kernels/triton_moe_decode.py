@@ -143,8 +143,10 @@ def _combine_kernel(
 # Steps of up to this many tokens multiply by broadcasting (a GEMV per row); above, tl.dot
 # tiles of >= 16 rows (padding rows cost tensor-core time only, which decode has to spare,
 # and Triton pipelines a dot loop's loads, which it does not for the GEMV's). Where the
-# switch should be on a GPU: bench/moe.py --decode-gemv-tokens.
-GEMV_MAX_TOKENS = 1
+# switch should be on a GPU: bench/moe.py --decode-gemv-tokens. On the H200 (bench/moe_layer.py,
+# 2026-12-01) the GEMV read one token's 8 experts in 60.8 µs a layer (30% of the copy
+# bandwidth) while the tiles read two tokens' 15.2 experts in 58.0 µs: tiles from one token.
+GEMV_MAX_TOKENS = 0
 
 
 def _tiles(
