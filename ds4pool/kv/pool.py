@@ -27,10 +27,11 @@ from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.admin import SessionAdmin
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
-from ds4pool.kv.cost import Choice, RestoreCost, RestorePolicy
+from ds4pool.kv.cost import RestoreCost, RestorePolicy
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
+from ds4pool.kv.restore_plan import RestorePlanner
 from ds4pool.kv.session import (
     PrefixMatch,
     Session,
@@ -42,8 +43,8 @@ from ds4pool.kv.session import (
 )
 from ds4pool.kv.sharing import PrefixInfo, PrefixSharing
 from ds4pool.kv.snapshot import ModelFingerprint
-from ds4pool.kv.tiers import RestoreMove, Tiers
-from ds4pool.kv.transfer import DeviceKV, synchronize
+from ds4pool.kv.tiers import Tiers
+from ds4pool.kv.transfer import DeviceKV
 
 __all__ = ["DeviceKV", "PoolConfig", "PoolObserver", "PoolUsage", "SessionPool"]
 
@@ -68,9 +69,8 @@ class SessionPool:
         self.sharing = PrefixSharing(self.blocks, kv, cfg.block_size, self.observer)
         self.kv_bytes_per_token = kv.layout.bytes_per_token
         # read a returning session's KV back or recompute it (kv/cost.py); the worker feeds
-        # it the steps' prefill rate, the restores below the tiers' read rates
+        # it the steps' prefill rate, the planner's restores the tiers' read rates
         self.cost = RestoreCost(RestorePolicy(cfg.restore_policy))
-        self._kv = kv
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._sessions: dict[SessionKey, Session] = {}
@@ -89,6 +89,9 @@ class SessionPool:
         )
         self.admin = SessionAdmin(
             self._sessions, self._cond, self.tiers, self.blocks, self._discard
+        )
+        self.planner = RestorePlanner(
+            self.cost, self.tiers, kv, self.observer, cfg.block_size, lambda: next(self._versions)
         )
         # the tiers' parts, as callers and tests know them
         self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer
@@ -141,52 +144,10 @@ class SessionPool:
         return session_id is not None and self.prefetcher.pending((tenant, session_id))
 
     def _bring_up(self, key: SessionKey) -> None:
-        self.tiers.read_ahead(key, kv=self._reads_disk(key))
-        self.restore_ahead(key)
-
-    def _reads_disk(self, key: SessionKey) -> bool:
-        """The cost decision for a session on disk, before its snapshot is read: read its KV,
-        or only its tokens (the KV is recomputed). All its tokens count as missing: which
-        of them the block index holds is known only once the tokens are read."""
         with self._lock:
-            s = self._sessions.get(key)
-            if s is None or s.tier is not Tier.DISK or s.in_flight:
-                return True
-            n = s.num_computed
-        d = self.cost.decide("disk", n, n * self.kv_bytes_per_token)
-        self.observer.restore_decided("disk", d.choice.value)
-        return d.choice is Choice.READ
-
-    def _plan_copy(self, s: Session, move: RestoreMove, shared: int) -> RestoreMove:
-        """The cost decision for a session whose KV is in RAM, restoring into a table that
-        holds its first `shared` tokens already (the block index's): copy the rest, or drop
-        it and let the scheduler prefill it (the session keeps its tokens). A copy read
-        from disk for this restore was decided before the read (_reads_disk)."""
-        if move.src is not Tier.RAM or move.came_from is Tier.DISK:
-            return move
-        n = s.num_computed - shared
-        d = self.cost.decide("ram", n, n * self.kv_bytes_per_token)
-        self.observer.restore_decided("ram", d.choice.value)
-        if d.choice is Choice.READ:
-            return move
-        s.num_computed = shared
-        s.num_persisted = min(s.num_persisted, shared)
-        del s.block_keys[shared // self.cfg.block_size :]
-        s.version = next(self._versions)
-        return RestoreMove(Tier.NONE, Tier.NONE, move.started, move.cached)
-
-    def _copy_in(self, s: Session, move: RestoreMove, table: BlockTable, start: int) -> None:
-        """tiers.copy_in, timed: the RAM rate for kv/cost.py (and the disk read's, when the
-        copy was read from disk for this restore)."""
-        t0 = time.perf_counter()
-        self.tiers.copy_in(s, move, table, start=start)
-        if move.src is not Tier.RAM:
-            return
-        synchronize(self._kv)  # the copy is asynchronous on CUDA: time its end
-        num_bytes = (s.num_computed - start) * self.kv_bytes_per_token
-        self.cost.observe_read("ram", num_bytes, time.perf_counter() - t0)
-        if move.came_from is Tier.DISK and s.disk_read_s is not None and s.host_kv is not None:
-            self.cost.observe_read("disk", s.host_kv.nbytes, s.disk_read_s)
+            read_kv = self.planner.reads_disk(self._sessions.get(key))  # or recompute it
+        self.tiers.read_ahead(key, kv=read_kv)
+        self.restore_ahead(key)
 
     def release(self, s: Session) -> None:
         """End the request's lease; ephemeral sessions are discarded."""
@@ -300,8 +261,8 @@ class SessionPool:
                 table.release(self.blocks)
                 self.tiers.abort_restore(s, move)
                 raise
-            move = self._plan_copy(s, move, shared)  # copy the rest, or recompute it
-            self._copy_in(s, move, table, shared)
+            move = self.planner.plan_copy(s, move, shared)  # copy the rest, or recompute it
+            self.planner.copy_in(s, move, table, shared)
             self.tiers.finish_restore(s, move, table, start=shared, copied=True)
             self.sharing.restored_into(s, table)
 
@@ -316,19 +277,15 @@ class SessionPool:
             table = BlockTable(self.cfg.block_size)
             if table.blocks_needed(s.num_computed) > self.blocks.num_free:
                 return  # no room without demotions: the step thread's restore decides
-            if s.disk_read_s is None:  # a copy read from disk was decided before the read
-                n = s.num_computed
-                d = self.cost.decide("ram", n, n * self.kv_bytes_per_token)
-                if d.choice is Choice.RECOMPUTE:
-                    return  # the step thread's restore decides it (and counts it)
-                self.observer.restore_decided("ram", Choice.READ.value)
+            if not self.planner.reads_ahead(s):
+                return  # to be recomputed: the step thread's restore decides it
             move = self.tiers.begin_restore(s)
             shared = self.sharing.share_for_restore(s, table)  # only the rest is copied
             table.ensure(self.blocks, s.num_computed)
             s.block_table = table  # held by the session while copying (check_integrity)
             s.in_flight = s.copying = True
         try:
-            self._copy_in(s, move, table, shared)
+            self.planner.copy_in(s, move, table, shared)
         except BaseException:
             with self._cond:
                 table.release(self.blocks)
