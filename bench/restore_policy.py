@@ -4,14 +4,14 @@
     python bench/restore_policy.py --policies always auto --repeat 2 --agents 16
 
 Each run is a fresh `python -m ds4pool serve` (CPU, float32, the demo model unless
---model) with a small device KV budget, a small RAM tier and a disk tier in a new temporary
-directory, so that sessions move device → RAM → disk between turns and come back; then
-`ds4pool bench agents` drives N agents over HTTP. Runs: `--before DIR` (a source tree
-without --restore-policy, e.g. main; optional), then this tree with each of `--policies`
-(always = read every returning session's KV back, as before kv/cost.py; auto = the cheaper
-of reading and recomputing from the measured rates; never = recompute all). With --repeat R
-the list runs R times, the order reversed every other round, so a busy machine slows every
-side alike.
+--device / --dtype / --model) with a small device KV budget, a small RAM tier and a disk
+tier in a new temporary directory, so that sessions move device → RAM → disk between
+turns and come back; then `ds4pool bench agents` drives N agents over HTTP. Runs:
+`--before DIR` (a source tree without --restore-policy, e.g. main; optional), then this
+tree with each of `--policies` (always = read every returning session's KV back, as
+before kv/cost.py; auto = the cheaper of reading and recomputing from the measured rates;
+never = recompute all). With --repeat R the list runs R times, the order reversed every
+other round, so a busy machine slows every side alike.
 
 Reported per run: prefill tokens computed / reused, first- and resumed-turn TTFT, session
 moves and restore decisions (both scraped from /metrics), and the rates the server measured
@@ -70,7 +70,8 @@ def run_one(run: Run, label: str, args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="ds4pool-restore-") as disk:
-        argv = [sys.executable, "-m", "ds4pool", "serve", "--device", "cpu", "--dtype", "float32"]
+        argv = [sys.executable, "-m", "ds4pool", "serve", "--device", args.device]
+        argv += ["--dtype", args.dtype]
         argv += ["--model", args.model, "--kv-device-gb", str(args.kv_gb)]
         argv += ["--kv-ram-gb", str(args.ram_gb), "--kv-disk-dir", disk]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -118,6 +119,8 @@ def main() -> int:
     p.add_argument("--before", type=Path, default=None, help="a tree without the cost model")
     p.add_argument("--policies", nargs="+", default=["always", "auto", "never"])
     p.add_argument("--model", default="demo")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--system-tokens", type=int, default=1000)
@@ -143,7 +146,8 @@ def main() -> int:
     md = "\n".join(
         [
             f"started {started}, {time.monotonic() - t0:.0f} s, load 1m {load0:.1f} → "
-            f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} cores); model {args.model}; "
+            f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} cores); model {args.model} on "
+            f"{args.device} {args.dtype}; "
             f"{args.agents} agents × {args.turns} turns, S={args.system_tokens}, "
             f"U={args.user_tokens}, G={args.gen_tokens}, think {args.think_s[0]:g}-"
             f"{args.think_s[1]:g} s, seed {args.seed}; device KV {args.kv_gb} GB, RAM "
