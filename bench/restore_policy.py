@@ -131,6 +131,7 @@ def main() -> int:
     p.add_argument("--kv-gb", type=float, default=0.02, help="device KV budget (tight)")
     p.add_argument("--ram-gb", type=float, default=0.01, help="RAM tier budget (tight)")
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--reverse", action="store_true", help="start with the reversed order")
     p.add_argument("--server-args", default="", help="more `serve` flags, for every run")
     p.add_argument("--out", type=Path, default=Path("out/restore_policy"))
     args = p.parse_args()
@@ -141,7 +142,7 @@ def main() -> int:
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     reports = []
     for rnd in range(args.repeat):
-        for run in runs if rnd % 2 == 0 else runs[::-1]:
+        for run in runs if (rnd + args.reverse) % 2 == 0 else runs[::-1]:
             reports.append(run_one(run, f"{run.label}-r{rnd}", args))
     md = "\n".join(
         [
