@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ds4pool.kv.cost import RestorePolicy
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.snapshot import ModelFingerprint
@@ -45,6 +46,9 @@ def fingerprint_for(loaded: LoadedModel) -> ModelFingerprint:
     )
 
 
+RESTORE_POLICIES = tuple(p.value for p in RestorePolicy)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "demo"
@@ -58,6 +62,7 @@ class EngineConfig:
     kv_disk_gb: float = 32.0
     kv_persist_idle_s: float = 30.0
     kv_persist_every_tokens: int = 4096
+    restore_policy: str = "auto"  # auto | always | never: read KV back or recompute (kv/cost.py)
     max_batch_tokens: int = 2048
     # Prompt tokens per step while some sequence decodes; None: PREFILL_TOKENS by device.
     max_prefill_tokens: int | None = None
@@ -100,6 +105,8 @@ class EngineConfig:
         for name in ("kv_ram_gb", "kv_disk_gb", "coalesce_us", "kv_persist_idle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.restore_policy not in RESTORE_POLICIES:
+            raise ValueError(f"restore_policy must be one of {', '.join(RESTORE_POLICIES)}")
         if not self.aging_s > 0:  # the queue divides by it (0 failed every step)
             raise ValueError("aging_s must be > 0")
 
@@ -184,6 +191,7 @@ class Engine:
                 persist_idle_s=cfg.kv_persist_idle_s,
                 persist_every_tokens=cfg.kv_persist_every_tokens,
                 acquire_timeout_s=cfg.session_wait_s,
+                restore_policy=cfg.restore_policy,
             ),
             DeviceKV(self.runner.kv_caches, self.runner.layout),
             fingerprint_for(loaded),

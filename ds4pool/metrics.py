@@ -123,6 +123,7 @@ KNOWN_MOVES = (
     ("disk", "none", "disk_full"),
 )
 RESTORE_TIERS = ("ram", "disk")  # the tier a restore reads from
+RESTORE_CHOICES = ("read", "recompute")  # kv/cost.py's decision for a returning session
 REJECT_REASONS = ("queue_full", "tenant_queue_full", "draining")
 
 # ds4pool_snapshot_errors_total{kind}: the disk tier's ERROR_KINDS folded into a small set
@@ -300,6 +301,26 @@ class Metrics:
             buckets=RESTORE_BUCKETS,
             registry=r,
         )
+        self.restore_decisions = Counter(
+            "ds4pool_restore_decisions_total",
+            "Returning sessions whose KV in a tier (ram, disk) was read back or recomputed "
+            "(choice), from the measured rates below (or --restore-policy).",
+            ["tier", "choice"],
+            registry=r,
+        )
+        self.tier_read_rate = Gauge(
+            "ds4pool_tier_read_bytes_per_second",
+            "Measured rate (EWMA) of reading KV back from a tier: ram = the host to device "
+            "copy; disk = the snapshot read, checksum and decode. A prior until measured.",
+            ["tier"],
+            registry=r,
+        )
+        self.prefill_rate = Gauge(
+            "ds4pool_prefill_tokens_per_second",
+            "Measured prefill rate (EWMA over steps with prompt tokens, the decode rows' "
+            "share taken out) that a recompute is priced at. A prior until measured.",
+            registry=r,
+        )
         self.index_hit_tokens = Counter(
             "ds4pool_block_index_hit_tokens_total",
             "Tokens of KV taken from the block index by a prompt or a restore (another "
@@ -372,6 +393,9 @@ class Metrics:
             self.session_moves.labels(src, dst, reason)
         for tier in RESTORE_TIERS:
             self.restore_duration.labels(tier)
+            self.tier_read_rate.labels(tier)
+            for choice in RESTORE_CHOICES:
+                self.restore_decisions.labels(tier, choice)
         for kind in SNAPSHOT_ERROR_KINDS:
             self.snapshot_errors.labels(kind)
         for reason in REJECT_REASONS:
@@ -497,6 +521,11 @@ class MetricsPoolObserver(PoolObserver):
     def blocks_evicted(self, num_blocks: int) -> None:
         self.m.index_evictions.inc(num_blocks)
 
+    def restore_decided(self, tier: str, choice: str) -> None:
+        self.m.restore_decisions.labels(
+            _pick(tier, RESTORE_TIERS), _pick(choice, RESTORE_CHOICES)
+        ).inc()
+
 
 def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     """Refresh the gauges from the engine's current state (called at scrape time)."""
@@ -531,6 +560,10 @@ def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     metrics.kv_blocks_indexed.set(u.device_blocks_indexed)
     metrics.kv_blocks_cached.set(u.device_blocks_cached)
     metrics.kv_blocks_pinned.set(u.device_blocks_pinned)
+    rates = pool.cost.rates()
+    metrics.tier_read_rate.labels("ram").set(rates.ram_bytes_per_s)
+    metrics.tier_read_rate.labels("disk").set(rates.disk_bytes_per_s)
+    metrics.prefill_rate.set(rates.prefill_tokens_per_s)
 
 
 def render(metrics: Metrics, engine: Engine | None = None) -> bytes:

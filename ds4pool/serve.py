@@ -156,6 +156,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="persist a session every N new tokens (0: off)",
     )
+    _flag(
+        k,
+        "--restore-policy",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="a returning session's KV in RAM or on disk: auto = read it back or recompute "
+        "it, whichever the measured rates say is faster; always = read; never = recompute",
+    )
     q = p.add_argument_group("queue")
     _flag(q, "--max-waiting", type=int, default=1024, help="waiting requests, all tenants")
     _flag(q, "--max-waiting-per-tenant", type=int, default=256, help="waiting per tenant")
@@ -240,6 +248,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             kv_disk_gb=args.kv_disk_gb,
             kv_persist_idle_s=args.kv_persist_idle_s,
             kv_persist_every_tokens=args.kv_persist_every_tokens,
+            restore_policy=args.restore_policy,
             max_batch_tokens=args.max_batch_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
             max_prefill_cost=args.max_prefill_cost,

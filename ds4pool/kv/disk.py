@@ -195,8 +195,9 @@ class DiskTier:
             self._call(self._on_evict, entry)
         return written.file_bytes
 
-    def read(self, tenant: str, session_id: str) -> Snapshot | None:
-        """The validated snapshot, or None if absent or invalid (then quarantined, reported)."""
+    def read(self, tenant: str, session_id: str, *, kv: bool = True) -> Snapshot | None:
+        """The validated snapshot, or None if absent or invalid (then quarantined, reported).
+        kv=False: its tokens and text only (decode_snapshot's kv=False)."""
         key = (tenant, session_id)
         with self._lock:
             entry = self._index.get(key)
@@ -214,7 +215,7 @@ class DiskTier:
             return None
         with f:
             try:
-                snap = decode_snapshot(f, self.fingerprint)
+                snap = decode_snapshot(f, self.fingerprint, kv=kv)
                 if snap.key != key:
                     raise SnapshotError("format", f"file holds {snap.key}, expected {key}")
             except SnapshotError as e:

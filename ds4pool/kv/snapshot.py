@@ -458,9 +458,11 @@ def _decode_layer(frame: Buffer, h: SnapshotHeader, i: int) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(h.kv_shape)  # no copy
 
 
-def decode_snapshot(source: Source, expected: ModelFingerprint) -> Snapshot:
+def decode_snapshot(source: Source, expected: ModelFingerprint, *, kv: bool = True) -> Snapshot:
     """Fully validate and decode a snapshot from bytes or a binary file positioned at its start.
-    Raises SnapshotError; never returns data whose CRC or fingerprint did not match."""
+    Raises SnapshotError; never returns data whose CRC or fingerprint did not match.
+    kv=False stops after the tokens and the text (a session whose KV is to be recomputed):
+    the KV sections are neither read nor checked, and the snapshot's `kv` is empty."""
     f = _reader(source)
     h = read_header(f)
     check_fingerprint(h, expected)
@@ -470,7 +472,11 @@ def decode_snapshot(source: Source, expected: ModelFingerprint) -> Snapshot:
         text = str(_read_section(f, h.text, "text"), "utf-8")
     except UnicodeDecodeError as e:
         raise SnapshotError("format", f"text is not UTF-8: {e}") from e
-    kv = [_decode_layer(_read_section(f, sec, f"KV layer {i}"), h, i) for i, sec in enumerate(h.kv)]
+    if not kv:
+        return Snapshot(h, tokens.tolist(), text, [])
+    layers = [
+        _decode_layer(_read_section(f, sec, f"KV layer {i}"), h, i) for i, sec in enumerate(h.kv)
+    ]
     if f.read(1):
         raise SnapshotError("format", "trailing bytes after the last section")
-    return Snapshot(h, tokens.tolist(), text, kv)
+    return Snapshot(h, tokens.tolist(), text, layers)

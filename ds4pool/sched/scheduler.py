@@ -314,8 +314,10 @@ class Scheduler:
             seq.admitted_at = now
         self.pool.restore(seq.session)
         # A preempted request's KV can be lost while it waits (it did not fit in RAM and the
-        # disk write failed, or there is no disk tier): recompute what the session lacks.
+        # disk write failed, or there is no disk tier), and a restore may choose to recompute
+        # it (kv/cost.py): recompute what the session lacks, and report it as computed.
         seq.num_computed = min(seq.num_computed, seq.session.num_computed)
+        seq.num_reused = min(seq.num_reused, seq.num_computed)
         return True
 
     def _match(self, seq: Seq) -> None:

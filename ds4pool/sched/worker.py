@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ds4pool.kv.cost import StepSample
 from ds4pool.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class Worker:
             return
         keys = [seq.session.key for seq in step.seqs if seq.session is not None]
         assert len(set(keys)) == len(keys) == len(step.seqs), "a session twice in one batch"
+        # rows that decode one token; the rest of the step's tokens are prompt (or recomputed)
+        # KV: the prefill rate of the restore-vs-recompute decision (kv/cost.py)
+        rows = sum(1 for seq, n in zip(step.seqs, step.counts) if n == 1 and seq.output_ids)
         t0 = time.perf_counter()
         try:
             with self.engine_lock:
@@ -99,6 +103,7 @@ class Worker:
             sched.fail(step, exc)
             return
         t1 = time.perf_counter()
+        sched.pool.cost.observe_step(StepSample(sum(step.counts) - rows, rows, t1 - t0))
         sched.process(step, out)
         self.steps += 1
         self._idle_left = self._idle is not None  # the step may have left idle work
