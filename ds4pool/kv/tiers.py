@@ -375,6 +375,9 @@ class Tiers:
     # ------------------------------------------------------------ snapshots
 
     def snapshot(self, s: Session, host: torch.Tensor) -> Snapshot:
+        """The session's snapshot; its leading blocks that other sessions share go to block
+        files (written once for all of them), the rest into its own file."""
+        n = host.shape[2]
         return Snapshot.create(
             s.tenant,
             s.session_id,
@@ -382,7 +385,33 @@ class Tiers:
             s.token_ids,
             s.text,
             [host[layer] for layer in range(host.shape[0])],
+            shared=self._shared_keys(s, n),
+            block_size=self.cfg.block_size,
         )
+
+    def _shared_keys(self, s: Session, num_kv_tokens: int) -> list[str]:
+        """Hex chain keys of the leading full blocks of s's first num_kv_tokens that are
+        shared: some other session holds the block on the device, or a block file for it is
+        already on disk. Stops at the first private block (sharing is by prefix)."""
+        if self.disk is None or not s.loaded:
+            return []
+        bs = self.cfg.block_size
+        n = min(num_kv_tokens, len(s.token_ids)) // bs
+        keys = self.blocks.keys(s.tenant, s.token_ids[: n * bs], s.block_keys[:n])
+        own = set(s.block_table.blocks) if s.block_table is not None else set()
+        out: list[str] = []
+        for key, block in zip(keys, self._indexed(keys)):
+            hexkey = key.hex()
+            held_by_others = block is not None and self.blocks.holders(block) > (block in own)
+            if not (held_by_others or self.disk.has_block(hexkey)):
+                break
+            out.append(hexkey)
+        return out
+
+    def _indexed(self, keys: list[bytes]) -> list[int | None]:
+        """The device block of each key in the block index (None where it is not)."""
+        found = self.blocks.lookup(keys)
+        return [*found, *[None] * (len(keys) - len(found))]
 
     def persist(self, key: SessionKey) -> bool:
         """Write a snapshot of an idle session if it changed since the last one, and settle
