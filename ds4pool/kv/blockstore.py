@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 
 from ds4pool.kv.blockfile import decode_block, read_block_header, write_block
-from ds4pool.kv.snapshot import ModelFingerprint, SharedBlock, SnapshotError
+from ds4pool.kv.snapshot import (
+    BlockReader,
+    ModelFingerprint,
+    SharedBlock,
+    SnapshotError,
+    is_chain_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +224,24 @@ class BlockFiles:
         self.entries[h.key] = entry
         self.used_bytes += size
         return entry
+
+
+def directory_reader(directory: Path, fingerprint: ModelFingerprint) -> BlockReader:
+    """A BlockReader over the block files of a snapshot directory, without a DiskTier (no
+    index, no lock, no quarantine): for tools and tests that check files as they lie."""
+
+    def read(key: str, tenant: str, position: int, ids: list[int]) -> list[torch.Tensor]:
+        if not is_chain_key(key):
+            raise BlockFileError("format", f"bad block key {key!r}", key)
+        try:
+            with open(directory / f"{key}{BLOCK_SUFFIX}", "rb") as f:
+                return decode_block(f, fingerprint, key, tenant, position, ids)
+        except FileNotFoundError:
+            raise BlockFileError("format", f"block file {key} is missing", key) from None
+        except SnapshotError as e:
+            raise BlockFileError(e.kind, str(e), key) from e
+
+    return read
 
 
 def _unlink(path: Path) -> None:
