@@ -211,9 +211,8 @@ class DiskTier:
         self._write_blocks(snapshot)
         tmp, written = self._write_temp(snapshot, now)
         with self._lock:
-            need = written.file_bytes + sum(
-                self._blocks.entries[k].num_bytes for k in set(h.shared)
-            )
+            blocks = [self._blocks.entries.get(k) for k in dict.fromkeys(h.shared)]
+            need = written.file_bytes + sum(b.num_bytes for b in blocks if b is not None)
         if need > self._budget_bytes:
             _unlink_quietly(tmp)
             self.delete(*key)
@@ -224,7 +223,10 @@ class DiskTier:
             )
         try:
             with self._lock:
-                os.replace(tmp, path)  # the only call here that can raise (_drop never does)
+                if any(k not in self._blocks.entries for k in h.shared):
+                    # a read quarantined one meanwhile: never list a missing block file
+                    raise OSError(errno.EIO, "a shared block file was quarantined")
+                os.replace(tmp, path)  # the only other call here that can raise
                 self._put(
                     DiskEntry(
                         *key,
