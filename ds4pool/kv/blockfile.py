@@ -114,12 +114,13 @@ def write_block(f: Writable, block: SharedBlock, *, shuffle: bool) -> BlockHeade
     return BlockHeader(**{**header.__dict__, "header_bytes": PREFIX_SIZE + len(body)})
 
 
-def read_block_header(source: Source) -> BlockHeader:
-    """Prefix and header only (CRCs, field types); leaves a file at the payload."""
+def read_block_header(source: Source, expected: ModelFingerprint | None = None) -> BlockHeader:
+    """Prefix and header only (CRCs, field types); leaves a file at the payload. `expected`:
+    the model's fingerprint, if known (saves recomputing its digest per block)."""
     _, body = read_prefix(as_reader(source), BLOCK_MAGIC, (BLOCK_VERSION,), "KV block file")
     try:
         doc = json.loads(bytes(body))
-        fp = parse_fingerprint(doc)
+        fp = parse_fingerprint(doc, expected)
         h = BlockHeader(
             key=get_field(doc, "key", str),
             tenant=get_field(doc, "tenant", str),
@@ -159,7 +160,7 @@ def decode_block(
     the fingerprint, and that it is block `position` of `tenant`'s chain `key` holding exactly
     `token_ids`. Raises SnapshotError (a block that is not what the session needs is
     `format`: never loaded, whatever its name says)."""
-    h = read_block_header(f)
+    h = read_block_header(f, expected)
     if h.fingerprint.digest() != expected.digest():
         raise SnapshotError("fingerprint", f"block is for model {h.fingerprint}")
     want = (key, tenant, position, len(token_ids))

@@ -13,6 +13,11 @@ Invariants (the disk tier's lock guards every method marked "lock held"):
 - A block file is either absent or complete: temp file, fsync, rename (as snapshots are).
 - One that fails validation is quarantined (`.reason` file) and leaves the index; the disk
   tier then drops every session file that relied on it (their sessions recompute).
+- Blocks read lately stay decoded in a small LRU (`cache_bytes`), so that the sessions of
+  one system prompt, restored one after another, read its block files once: an entry is
+  only what a full read verified, is never handed out (callers copy it), and goes with its
+  file. A hit is checked against the tenant, position and tokens the reader expects, as a
+  file would be.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import os
 import secrets
 import tempfile
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,9 @@ from ds4pool.kv.snapshot import (
 )
 
 log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 64 << 20
+_Verified = tuple[str, int, tuple[int, ...]]  # tenant, position, token ids of a decoded block
 
 BLOCK_SUFFIX = ".blk"
 SECRET_FILE = ".index_secret"
@@ -95,6 +103,7 @@ class BlockFiles:
         fingerprint: ModelFingerprint,
         shuffle: bool,
         quarantine: Callable[[Path, SnapshotError], None],
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self.directory = directory
         self.fingerprint = fingerprint
@@ -104,6 +113,9 @@ class BlockFiles:
         self.refs: Counter[str] = Counter()
         self.pending: Counter[str] = Counter()
         self.used_bytes = 0
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, tuple[_Verified, list[torch.Tensor]]] = OrderedDict()
+        self._cached_bytes = 0
 
     def path_for(self, key: str) -> Path:
         path = self.directory / f"{key}{BLOCK_SUFFIX}"
@@ -170,8 +182,37 @@ class BlockFiles:
             entry = self.entries.pop(key)
             self.used_bytes -= entry.num_bytes
             freed += entry.num_bytes
+            self._uncache(key)
             _unlink(entry.path)
         return freed
+
+    # ------------------------------------------------------------ decoded blocks (lock held)
+
+    def cached(
+        self, key: str, tenant: str, position: int, ids: list[int]
+    ) -> list[torch.Tensor] | None:
+        """A verified decoded block, if cached and it is what the reader expects."""
+        hit = self._cache.get(key)
+        if hit is None or hit[0] != (tenant, position, tuple(ids)):
+            return None
+        self._cache.move_to_end(key)
+        return hit[1]
+
+    def remember(
+        self, key: str, tenant: str, position: int, ids: list[int], kv: list[torch.Tensor]
+    ) -> None:
+        size = sum(t.numel() * t.element_size() for t in kv)
+        if key not in self.entries or key in self._cache or size > self.cache_bytes:
+            return
+        self._cache[key] = ((tenant, position, tuple(ids)), kv)
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes:
+            self._uncache(next(iter(self._cache)))
+
+    def _uncache(self, key: str) -> None:
+        hit = self._cache.pop(key, None)
+        if hit is not None:
+            self._cached_bytes -= sum(t.numel() * t.element_size() for t in hit[1])
 
     # ------------------------------------------------------------ reading
 
@@ -202,6 +243,7 @@ class BlockFiles:
             return False
         del self.entries[key]
         self.used_bytes -= entry.num_bytes
+        self._uncache(key)
         self._quarantine(entry.path, error)
         return True
 

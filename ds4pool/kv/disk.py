@@ -310,7 +310,10 @@ class DiskTier:
         """decode_snapshot's BlockReader: one shared block, fully verified, or BlockFileError
         (quarantined now, when its file failed; `quarantined` False when it was gone)."""
         with self._lock:
-            opened = self._blocks.open(key)
+            hit = self._blocks.cached(key, tenant, position, ids)
+            opened = None if hit is not None else self._blocks.open(key)
+        if hit is not None:
+            return hit  # verified when read; _with_blocks copies it, never hands it out
         if opened is None:
             raise BlockFileError("format", f"block file {key} is missing", key)
         entry, f = opened
@@ -318,11 +321,14 @@ class DiskTier:
             try:
                 if entry.tenant != tenant:
                     raise SnapshotError("format", f"block {key} belongs to another tenant")
-                return self._blocks.decode(f, key, tenant, position, ids)
+                kv = self._blocks.decode(f, key, tenant, position, ids)
             except SnapshotError as e:
                 with self._lock:
                     done = self._blocks.quarantine_if_current(key, os.fstat(f.fileno()), e)
                 raise BlockFileError(e.kind, str(e), key, quarantined=done) from e
+        with self._lock:
+            self._blocks.remember(key, tenant, position, ids, kv)
+        return kv
 
     def _lost_block(self, error: BlockFileError, reading: SessionKey) -> None:
         """Every session file listing a block that failed (or is gone) goes: nothing of it can
