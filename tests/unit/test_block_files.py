@@ -216,3 +216,19 @@ def test_the_index_secret_is_kept_in_the_directory(tmp_path: Path) -> None:
     assert len(s) == 16 and index_secret(tmp_path / "d") == s
     assert (tmp_path / "d" / ".index_secret").stat().st_mode & 0o777 == 0o600
     assert index_secret(tmp_path / "e") != s
+
+
+def test_a_session_listing_a_cached_block_with_other_tokens_is_refused(tmp_path: Path) -> None:
+    """The decoded-block cache is checked like a file: a session whose tokens are not the
+    block's gets nothing from it (and the block, not what it claims, is quarantined)."""
+    a = session("a", [1])
+    kv = [t[:, :12] for t in session("z", [0]).kv]
+    forged = Snapshot.create("acme", "x", FP, [9] * 12, "", kv, shared=KEYS[:1], block_size=BS)
+    errors: list[str] = []
+    with DiskTier(tmp_path, 1 << 20, FP, on_error=errors.append) as d:
+        d.write(a)
+        assert same(d.read("acme", "a"), a)  # its blocks are cached now
+        d.write(forged)  # lists a's first block file (already there: not rewritten)
+        assert d.read("acme", "x") is None
+        assert errors == ["format"]
+        assert d.read("acme", "a") is None and d.keys() == []  # a relied on it too
