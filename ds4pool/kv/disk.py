@@ -31,7 +31,7 @@ import os
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -350,6 +350,20 @@ class DiskTier:
             if (e.tenant, e.session_id) != reading:
                 self._call(self._on_evict, e)
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the index, the block files' reference counts and the byte
+        counts disagree (a block file's count == the indexed session files listing it)."""
+        with self._lock:
+            refs: Counter[str] = Counter(k for e in self._index.values() for k in e.blocks)
+            blocks = self._blocks
+            assert +blocks.refs == refs, "block file reference counts are off"
+            for k in refs:
+                assert k in blocks.entries, f"a session file lists block {k}, not indexed"
+            assert self._used_bytes == sum(e.num_bytes for e in self._index.values())
+            assert blocks.used_bytes == sum(e.num_bytes for e in blocks.entries.values())
+            unlisted = [k for k in blocks.entries if not refs[k] and not blocks.pending[k]]
+            assert not unlisted, f"block files no session lists: {unlisted}"
+
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
             return self._drop((tenant, session_id)) is not None
@@ -425,8 +439,13 @@ class DiskTier:
         evicted = []
         victims = (k for k in list(self._index) if k != keep)
         while self._total_bytes > self._budget_bytes:
-            # `keep` with its blocks alone fits (write() checked): victims never run out
-            entry = self._drop(next(victims))
+            # `keep` with its blocks alone fits (write() checked); only block files another
+            # write is still filling (held, listed by no session yet) can outlast the
+            # victims, and that write evicts for them when it lands
+            victim = next(victims, None)
+            if victim is None:
+                break
+            entry = self._drop(victim)
             assert entry is not None
             evicted.append(entry)
         return evicted

@@ -493,3 +493,4 @@ class SessionPool:
             assert self.tiers.ram.used_bytes <= max(self.tiers.ram.budget_bytes, 1)
             if self.tiers.disk:
                 assert self.tiers.disk.used_bytes <= self.tiers.disk.budget_bytes
+                self.tiers.disk.check_integrity()  # block files' reference counts

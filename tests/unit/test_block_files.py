@@ -73,6 +73,7 @@ def test_shared_blocks_are_written_once_and_counted_once(tmp_path: Path) -> None
         assert [p.name for p in blocks(tmp_path)] == [f"{k}{BLOCK_SUFFIX}" for k in KEYS]
         assert {p.name: p.stat().st_mtime_ns for p in blocks(tmp_path)} == first  # not rewritten
         assert d.used_bytes == sizes(tmp_path)  # each block file once
+        d.check_integrity()
         assert d.block_bytes == sum(p.stat().st_size for p in blocks(tmp_path))
         assert same(d.read("acme", "a"), a) and same(d.read("acme", "b"), b)
         # the session files hold only their private tokens' KV
@@ -80,6 +81,7 @@ def test_shared_blocks_are_written_once_and_counted_once(tmp_path: Path) -> None
         assert d.path_for("acme", "b").stat().st_size < len(private)
     with DiskTier(tmp_path, 1 << 20, FP) as d:  # restart: block files indexed again
         assert d.used_bytes == sizes(tmp_path)
+        d.check_integrity()
         assert same(d.read("acme", "a"), a) and same(d.read("acme", "b"), b)
 
 
@@ -90,9 +92,11 @@ def test_a_block_file_goes_with_the_last_session_relying_on_it(tmp_path: Path) -
         d.delete("acme", "a")
         assert [p.name[:32] for p in blocks(tmp_path)] == KEYS[:2]  # b still needs two
         assert d.used_bytes == sizes(tmp_path)
+        d.check_integrity()
         d.write(session("b", [2], shared=0))  # b's newer snapshot shares nothing: version 1
         assert blocks(tmp_path) == [] and d.block_bytes == 0
         assert d.used_bytes == sizes(tmp_path)
+        d.check_integrity()
         assert d.path_for("acme", "b").read_bytes()[8:10] == struct.pack("<H", 1)
 
 
@@ -114,6 +118,7 @@ def test_budget_eviction_frees_block_files_once_unreferenced(tmp_path: Path) -> 
         assert [e.session_id for e in evicted] == ["a"]
         assert len(blocks(tmp_path / "d")) == 3
         assert d.used_bytes == sizes(tmp_path / "d") <= budget
+        d.check_integrity()
         d.delete("acme", "b")
         assert blocks(tmp_path / "d") == [] and d.used_bytes == sizes(tmp_path / "d")
 
@@ -144,6 +149,7 @@ def test_a_bad_block_file_is_quarantined_and_every_session_using_it_dropped(
         assert [e.session_id for e in evicted] == ["b"]  # the other one relying on it
         assert d.keys() == [("acme", "c")] and blocks(tmp_path) == []
         assert d.used_bytes == sizes(tmp_path)
+        d.check_integrity()
         (bad,) = (tmp_path / QUARANTINE_DIR).glob(f"{KEYS[1]}{BLOCK_SUFFIX}.*[0-9]")
         reason = bad.with_name(bad.name + ".reason").read_text()
         assert ("checksum" if damage == "flip" else "truncated") in reason
@@ -162,6 +168,7 @@ def test_a_truncated_block_file_is_quarantined_at_start(tmp_path: Path) -> None:
         assert [p.name[:32] for p in blocks(tmp_path)] == KEYS[:1]
         assert d.read("acme", "b") is not None
         assert d.used_bytes == sizes(tmp_path)
+        d.check_integrity()
 
 
 def test_a_block_file_of_another_session_content_is_never_loaded(tmp_path: Path) -> None:
