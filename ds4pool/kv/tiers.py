@@ -397,21 +397,21 @@ class Tiers:
             return []
         bs = self.cfg.block_size
         n = min(num_kv_tokens, len(s.token_ids)) // bs
-        keys = self.blocks.keys(s.tenant, s.token_ids[: n * bs], s.block_keys[:n])
         own = set(s.block_table.blocks) if s.block_table is not None else set()
+        keys = list(s.block_keys[:n])
         out: list[str] = []
-        for key, block in zip(keys, self._indexed(keys)):
-            hexkey = key.hex()
+        while len(out) < n:
+            if len(out) == len(keys):  # hash on only as far as the blocks stay shared
+                more = min(n, len(keys) + 64) * bs
+                keys = self.blocks.keys(s.tenant, s.token_ids[:more], keys)
+            key = keys[len(out)]
+            found = self.blocks.lookup([key])
+            block = found[0] if found else None
             held_by_others = block is not None and self.blocks.holders(block) > (block in own)
-            if not (held_by_others or self.disk.has_block(hexkey)):
+            if not (held_by_others or self.disk.has_block(key.hex())):
                 break
-            out.append(hexkey)
+            out.append(key.hex())
         return out
-
-    def _indexed(self, keys: list[bytes]) -> list[int | None]:
-        """The device block of each key in the block index (None where it is not)."""
-        found = self.blocks.lookup(keys)
-        return [*found, *[None] * (len(keys) - len(found))]
 
     def persist(self, key: SessionKey) -> bool:
         """Write a snapshot of an idle session if it changed since the last one, and settle
