@@ -19,6 +19,10 @@ The one KV copy of a session moves, never two live:
 - Disk over budget → the LRU snapshot file is deleted; a session living only there is gone.
 - A DISK-tier session keeps only its index entry in memory; its tokens and text are read
   back with its KV (`load`).
+- A snapshot puts the session's leading blocks that others share (held by another session
+  on the device, or already in a block file) in block files written once for all of them
+  (`snapshot`, kv/blockstore.py); a restore still copies to the device only what the block
+  index does not hold (`share_for_restore`, then `copy_in` from there).
 
 Which session moves, and when, is the pool's decision (`pool.py`); block ids come from the
 pool's `BlockIndex`; a demotion lets go of the session's blocks, and those others hold or
