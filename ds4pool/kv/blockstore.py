@@ -30,6 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -216,7 +217,7 @@ class BlockFiles:
 
     # ------------------------------------------------------------ reading
 
-    def open(self, key: str) -> tuple[BlockEntry, object] | None:
+    def open(self, key: str) -> tuple[BlockEntry, BinaryIO] | None:
         """The entry and an open binary file of block `key` (lock held: vs rename); None when
         it is not indexed or cannot be opened."""
         entry = self.entries.get(key)
@@ -228,7 +229,9 @@ class BlockFiles:
             log.error("disk tier: cannot open block %s: %s", entry.path.name, e)
             return None
 
-    def decode(self, f, key: str, tenant: str, position: int, ids: list[int]) -> list[torch.Tensor]:  # noqa: ANN001
+    def decode(
+        self, f: BinaryIO, key: str, tenant: str, position: int, ids: list[int]
+    ) -> list[torch.Tensor]:
         """Decode an opened block file (no lock); SnapshotError if it is not exactly that."""
         return decode_block(f, self.fingerprint, key, tenant, position, ids)
 
