@@ -4,6 +4,7 @@ again at restart. Snapshots of version 1 keep reading."""
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zlib
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds4pool.kv.blockfile import decode_block
 from ds4pool.kv.blockstore import BLOCK_SUFFIX, index_secret
 from ds4pool.kv.disk import QUARANTINE_DIR, DiskEntry, DiskTier
 from ds4pool.kv.snapshot import (
@@ -239,3 +241,18 @@ def test_a_session_listing_a_cached_block_with_other_tokens_is_refused(tmp_path:
         assert d.read("acme", "x") is None
         assert errors == ["format"]
         assert d.read("acme", "a") is None and d.keys() == []  # a relied on it too
+
+
+def test_every_flipped_byte_of_a_block_file_is_caught(tmp_path: Path) -> None:
+    a = session("a", [1])
+    with DiskTier(tmp_path, 1 << 20, FP) as d:
+        d.write(a)
+    path = tmp_path / f"{KEYS[1]}{BLOCK_SUFFIX}"
+    data = path.read_bytes()
+    ids = a.token_ids[BS : 2 * BS]
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        with pytest.raises(SnapshotError):
+            decode_block(io.BytesIO(bytes(bad)), FP, KEYS[1], "acme", 1, ids)
+    assert len(decode_block(io.BytesIO(data), FP, KEYS[1], "acme", 1, ids)) == FP.num_layers
