@@ -165,7 +165,17 @@ def main() -> None:
     ap.add_argument("--peer-hf", action="store_true", help="transformers static-cache peer")
     ap.add_argument("--prefill", type=int, default=0, help="also time one N-token prefill")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk (0: whole)")
+    ap.add_argument(
+        "--blas",
+        choices=["default", "cublas", "cublaslt"],
+        default="default",
+        help="CUDA: torch's preferred BLAS library for the projections (a GEMV experiment)",
+    )
     args = ap.parse_args()
+    if args.blas != "default":
+        if not torch.cuda.is_available():
+            sys.exit("--blas needs CUDA")
+        torch.backends.cuda.preferred_blas_library(args.blas)
 
     device = select_device(args.device)
     dtype = select_dtype(args.dtype, device)
@@ -196,7 +206,8 @@ def main() -> None:
     print(
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
-        f"attention {runner.backend.name}, CUDA graphs {graphs}, torch {torch.__version__}, "
+        f"attention {runner.backend.name}, CUDA graphs {graphs}, blas {args.blas}, "
+        f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )
     print(f"# prompt {args.prompt_len} tokens, {args.steps} decode steps timed after 2 warm-up")

@@ -84,7 +84,9 @@ class StepTimes(SchedulerObserver):
     def __init__(self) -> None:
         self.seconds: list[float] = []
 
-    def step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+    def step(
+        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
+    ) -> None:
         if batch_size == 16 and num_tokens == 16:  # decode steps of all 16
             self.seconds.append(seconds)
 

@@ -20,7 +20,18 @@ Bytes per step = non-expert weights + D(B) x layers x one expert's bytes; the ro
 that over the measured device copy bandwidth (and with the KV read of the step added:
 B x the mean context x KV bytes per token). Random routers spread tokens nearly uniformly,
 the worst case for grouping; a trained model's routing is more skewed, so fewer distinct
-experts per batch.
+experts per batch. `--routing zipf` shows what skew gives (an illustration, not a trained
+model: label it so): in every sparse layer the router row of the expert of popularity rank r
+(a random order per layer) is scaled by (r + 1)^-alpha, so a few experts' logits spread
+widest and win most top-k choices; D(B) is still measured, not assumed.
+
+--experts picks the expert path (model/moe.py): `auto` takes the small-batch decode kernels
+for steps of T·k <= --decode-max-pairs on CUDA and grouped GEMMs above; `decode`,
+`grouped_mm`, `triton`, `loop` pin one. --profile prints each batch's top kernels (3 decode
+steps under torch.profiler, graph replays included):
+
+    python3 bench/moe.py --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 \\
+        --batch 1 8 16 32 --experts decode --profile
 """
 
 from __future__ import annotations
@@ -37,11 +48,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import bench_batch, copy_bandwidth, decode_steps, prefill_batch  # noqa: E402
+from bench.profile_decode import kernel_table  # noqa: E402
 from ds4pool.kv.blocks import BlockPool  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
-from ds4pool.model.moe import EXPERT_IMPLS, SparseMoeBlock, expert_impl  # noqa: E402
+from ds4pool.model.moe import (  # noqa: E402
+    DECODE_MAX_PAIRS,
+    EXPERT_IMPLS,
+    SparseMoeBlock,
+    expert_impl,
+)
 from ds4pool.model.runner import ModelRunner  # noqa: E402
 
 
@@ -105,6 +122,34 @@ def count_expert_hits(runner: ModelRunner, batch: int, prompt_len: int, steps: i
     return hits.distinct / hits.forwards
 
 
+def skew_routers_(model: torch.nn.Module, alpha: float, seed: int = 0) -> None:
+    """Zipf-like routing (see the module doc): router row of popularity rank r × (r + 1)^-α."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock):
+            w = m.gate.weight
+            rank = torch.randperm(w.shape[0], generator=gen)  # expert e has rank rank[e]
+            scale = (rank.double() + 1.0) ** -alpha
+            with torch.no_grad():
+                w.mul_(scale.to(w.device, w.dtype)[:, None])
+
+
+def profile_batch(runner: ModelRunner, batch: int, prompt_len: int, top: int) -> None:
+    """The top kernels of 3 decode steps of `batch` sequences, after 2 warm-up steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool = BlockPool(runner.num_blocks)
+    tables, last = prefill_batch(runner, pool, batch, prompt_len)
+    decode_steps(runner, pool, tables, last, prompt_len, 0, warmup=2)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        decode_steps(runner, pool, tables, last, prompt_len + 2, 3, warmup=0)
+    print(f"\n## batch {batch}: kernels of one decode step")
+    kernels, device_ms = kernel_table(prof, 3, top)
+    print(f"{kernels:.0f} kernels, {device_ms:.2f} ms of device time per step\n")
+    for t in tables:
+        t.release(pool)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-moe-70m")
@@ -119,8 +164,26 @@ def main() -> None:
         "--experts",
         default="auto",
         choices=EXPERT_IMPLS,
-        help="expert compute: torch grouped_mm, the Triton kernel, the per-expert loop",
+        help="expert compute: auto, torch grouped_mm, the Triton grouped GEMM, the small-batch "
+        "decode kernels, the per-expert loop",
     )
+    ap.add_argument(
+        "--decode-max-pairs",
+        type=int,
+        default=DECODE_MAX_PAIRS,
+        help="with --experts auto: the decode kernels for steps of T*k up to this",
+    )
+    ap.add_argument(
+        "--decode-gemv-tokens",
+        type=int,
+        default=None,
+        help="decode kernels: steps of up to this many tokens as GEMVs, larger as tl.dot tiles "
+        "(default: the kernels' GEMV_MAX_TOKENS; 0: tl.dot from one token)",
+    )
+    ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
+    ap.add_argument("--zipf-alpha", type=float, default=1.0)
+    ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
+    ap.add_argument("--top", type=int, default=12, help="kernels --profile lists")
     args = ap.parse_args()
 
     device = select_device(args.device)
@@ -132,11 +195,22 @@ def main() -> None:
     for m in loaded.model.modules():
         if isinstance(m, SparseMoeBlock):
             m.impl = args.experts
-    impl = expert_impl(device, dtype, args.experts)
-    wb = weight_bytes(loaded)
+            m.decode_max_pairs = args.decode_max_pairs
+            m.decode_gemv_tokens = args.decode_gemv_tokens
+    if args.routing == "zipf":
+        skew_routers_(loaded.model, args.zipf_alpha)
     assert cfg.moe is not None
+    top_k, max_pairs = cfg.moe.top_k, args.decode_max_pairs
+    impl = expert_impl(device, dtype, args.experts)
+    if expert_impl(device, dtype, args.experts, top_k, max_pairs) != impl:
+        impl = f"decode for T*k <= {max_pairs}, else {impl}"
+    routing = "uniform (random routers)"
+    if args.routing == "zipf":
+        routing = f"ZIPF-SKEWED alpha {args.zipf_alpha} (illustration, not a trained model)"
+    wb = weight_bytes(loaded)
     bs = 16
-    num_blocks = -(-(args.prompt_len + args.steps + 3) // bs) * max(args.batch) + 1
+    # + 3: warm-up steps and the last token; --profile runs 5 steps of its own
+    num_blocks = -(-(args.prompt_len + max(args.steps, 5) + 3) // bs) * max(args.batch) + 1
     common = {"num_blocks": num_blocks, "block_size": bs, "backend": args.backend}
     max_batch = max(64, max(args.batch))
     runner = ModelRunner(
@@ -158,7 +232,7 @@ def main() -> None:
     )
     print(
         f"# prompt {args.prompt_len} tokens, {args.steps} decode steps timed after 2 warm-up; "
-        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; routing {routing}"
     )
     kv_per_token = cfg.kv_bytes_per_token(dtype.itemsize)
     mean_ctx = args.prompt_len + 2 + args.steps / 2
@@ -167,7 +241,13 @@ def main() -> None:
         tps = bench_batch(runner, b, args.prompt_len, args.steps)
         distinct = count_expert_hits(counter, b, args.prompt_len, args.steps)
         rows.append((b, tps, distinct))
-        print(f"# batch {b}: {tps:.1f} tok/s, {distinct:.1f} distinct experts/layer", flush=True)
+        path = expert_impl(device, dtype, args.experts, b * top_k, max_pairs)
+        print(
+            f"# batch {b}: {tps:.1f} tok/s, {distinct:.1f} distinct experts/layer, experts {path}",
+            flush=True,
+        )
+        if args.profile and device.type == "cuda":
+            profile_batch(runner, b, args.prompt_len, args.top)
     print(
         "| batch | tok/s | ms/step | experts read / layer / step | expert MB / token "
         "| weight MB / token | weight-roofline tok/s | % of it | % of weight+KV roofline |"

@@ -34,8 +34,12 @@ max_batch_tokens at --max-batch-tokens (default 2048: the prompt is prefilled in
 one chunk per step next to the decodes) and at a large value (no chunking: one step
 computes the whole prompt while the decoders wait), and at --max-batch-tokens with each
 --max-prefill-tokens cap (prompt tokens per step while someone decodes; the first row has
-the cap at max_batch_tokens, i.e. none). "before" is the decoders' ITL before the long
-prompt arrived; "long TTFT" is what chunking costs the long prompt itself.
+the cap at max_batch_tokens, i.e. none) and each --max-prefill-cost (the work cap,
+sched/prefill_cost.py; 0 = off; the first and last rows have none). "before" is the
+decoders' ITL before the long prompt arrived; "long TTFT" is what chunking costs the long
+prompt itself. "graphs" counts the CUDA graphs captured, and the steps run eagerly for want
+of one, while the long prompt was prefilled (--cuda-graphs ahead captures at engine
+start-up: each engine logs the count, seconds and memory).
 
 CPU defaults are smaller than the GPU ones so the whole run fits in a few minutes on two
 cores (see DEVICE_DEFAULTS); the header prints the sizes actually used.
@@ -66,6 +70,7 @@ from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.sampler import SamplingParams  # noqa: E402
+from ds4pool.sched.prefill_cost import DEFAULTS as PREFILL_COST  # noqa: E402
 from ds4pool.sched.request import Request, RequestStream  # noqa: E402
 
 TENANT = "bench"
@@ -191,9 +196,18 @@ def make_engine(loaded: LoadedModel, args: argparse.Namespace, **overrides: obje
         kv_device_gb=args.kv_gb,
         max_batch_tokens=args.max_batch_tokens,
         max_batch_size=args.max_batch_size,
+        cuda_graphs=args.cuda_graphs,
     )
     kw.update(overrides)
+    t0 = time.perf_counter()
     engine = Engine(EngineConfig(**kw), loaded=loaded)
+    cap = engine.graph_capture
+    if cap is not None:
+        log(
+            f"engine start-up {time.perf_counter() - t0:.1f} s: {cap.captured} CUDA graphs "
+            f"captured in {cap.seconds:.1f} s, {cap.graph_bytes / 2**20:.0f} MiB, "
+            f"{cap.pending} left for idle time"
+        )
     # warm-up: first-call costs (allocator, kernels, lazy init) stay out of the timings
     prompts = make_prompts(12345, 2, args.prompt_len, args.vocab)
     traces, _ = submit_all(engine, prompts, 4, "warm")
@@ -307,11 +321,19 @@ def print_part1(results: dict[str, dict[int, LevelResult]], args: argparse.Names
 class PrefillResult:
     max_batch_tokens: int
     max_prefill_tokens: int
+    max_prefill_cost: int  # 0: no work cap
     long_ttft: float
     steps: int  # worker steps between the long prompt's submission and its first token
     during: list[float]  # decoder gaps overlapping the long prompt's prefill
     before: list[float]  # decoder gaps before it arrived
     tokens: float  # tokens per decoder while the long prompt was prefilled
+    captures: int  # CUDA graphs captured during the prefill
+    eager_misses: int  # steps run eagerly for want of a captured graph (ahead mode)
+
+
+def graph_counts(engine: Engine) -> tuple[int, int]:
+    g = engine.runner.graphs
+    return (g.captures, g.eager_misses) if g is not None else (0, 0)
 
 
 def wait_until(cond: Callable[[], bool], what: str) -> None:
@@ -328,6 +350,7 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
     wait_until(lambda: all(len(tr.times) >= 4 for tr in traces), "the decoders to start")
     long_ids = make_prompts(args.seed + 2000, 1, args.long_prompt, args.vocab)[0]
     steps0 = engine.worker.steps
+    captures0, misses0 = graph_counts(engine)
     t_long = time.perf_counter()
     stream = engine.submit(
         Request(TENANT, "long", prompt_ids=long_ids, sampling=GREEDY, max_tokens=1)
@@ -335,6 +358,7 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
     first = stream.get(TIMEOUT_S)
     t_first = time.perf_counter()
     steps = engine.worker.steps - steps0
+    captures, misses = graph_counts(engine)
     if first.error or not first.token_ids:
         raise RuntimeError(f"long prompt ended with {first.finish_reason!r}: {first.error}")
     # let every decoder close the gap that spans the end of the prefill, then stop them
@@ -348,48 +372,57 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
     return PrefillResult(
         max_batch_tokens=engine.cfg.max_batch_tokens,
         max_prefill_tokens=engine.scheduler.cfg.max_prefill_tokens,
+        max_prefill_cost=cost.budget if (cost := engine.scheduler.cfg.prefill_cost) else 0,
         long_ttft=t_first - t_long,
         steps=steps,
         during=[b - a for a, b in gaps if b > t_long and a < t_first],
         before=[b - a for a, b in gaps if b <= t_long],
         tokens=sum(t_long < t <= t_first for tr in traces for t in tr.times) / len(traces),
+        captures=captures - captures0,
+        eager_misses=misses - misses0,
     )
 
 
 def part2(loaded: LoadedModel, args: argparse.Namespace) -> None:
     big = max(args.no_chunk_tokens, args.long_prompt + args.decoders)
     mbt = args.max_batch_tokens
-    # (max_batch_tokens, max_prefill_tokens): chunks of the whole budget (no prefill cap),
-    # each cap asked for, and no chunking at all
-    configs = [(mbt, mbt)] + [(mbt, cap) for cap in args.max_prefill_tokens] + [(big, big)]
+    # (max_batch_tokens, max_prefill_tokens, max_prefill_cost): chunks of the whole budget
+    # (no prefill cap), each cap x work cap asked for, and no chunking at all
+    configs = [(mbt, mbt, 0)]
+    configs += [
+        (mbt, cap, cost) for cap in args.max_prefill_tokens for cost in args.max_prefill_cost
+    ]
+    configs += [(big, big, 0)]
     results = []
-    for tokens, cap in configs:
+    for tokens, cap, cost in configs:
         # one engine at a time: the long prompt's activations are the largest allocation
-        over = {"max_batch_tokens": tokens, "max_prefill_tokens": cap}
+        over = {"max_batch_tokens": tokens, "max_prefill_tokens": cap, "max_prefill_cost": cost}
         with engines(loaded, args, {"x": over}) as made:
             res = run_prefill(made["x"], args)
         results.append(res)
         log(
-            f"max_batch_tokens {tokens:6d}, max_prefill_tokens {cap:6d}: "
-            f"long TTFT {res.long_ttft:.2f} s, {res.steps} steps"
+            f"max_batch_tokens {tokens:6d}, max_prefill_tokens {cap:6d}, max_prefill_cost "
+            f"{cost:5d}: long TTFT {res.long_ttft:.2f} s, {res.steps} steps"
         )
     print(
         f"\n### Decoders' inter-token latency during a {args.long_prompt}-token prefill "
         f"({args.decoders} decoders, {args.prompt_len}-token prompts; ms)\n"
     )
     print(
-        "| max_batch_tokens | max_prefill_tokens | long prompt TTFT | steps during prefill "
-        "| ITL p50 during | ITL p99 during | ITL max during | tokens per decoder during "
-        "| ITL p50 before | p99 during / p50 before |"
+        "| max_batch_tokens | max_prefill_tokens | max_prefill_cost | long prompt TTFT "
+        "| steps during prefill | ITL p50 during | ITL p99 during | ITL max during "
+        "| tokens per decoder during | ITL p50 before | p99 during / p50 before "
+        "| graphs captured / eager misses during |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         before = percentile(r.before, 50)
         print(
-            f"| {r.max_batch_tokens} | {r.max_prefill_tokens} | {ms(r.long_ttft)} | {r.steps} "
+            f"| {r.max_batch_tokens} | {r.max_prefill_tokens} | {r.max_prefill_cost or 'off'} "
+            f"| {ms(r.long_ttft)} | {r.steps} "
             f"| {ms(percentile(r.during, 50))} | {ms(percentile(r.during, 99))} "
             f"| {ms(max(r.during))} | {r.tokens:.1f} | {ms(before)} "
-            f"| {percentile(r.during, 99) / before:.1f}× |"
+            f"| {percentile(r.during, 99) / before:.1f}× | {r.captures} / {r.eager_misses} |"
         )
 
 
@@ -419,6 +452,18 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         help="part 2: prefill caps to compare (default: 512 on CUDA, 64 on CPU)",
     )
+    ap.add_argument(
+        "--max-prefill-cost",
+        type=int,
+        nargs="+",
+        help="part 2: work caps to compare, 0 = off (default: 896 on CUDA, 112 on CPU)",
+    )
+    ap.add_argument(
+        "--cuda-graphs",
+        choices=["ahead", "lazy", "eager"],
+        default="ahead",
+        help="CUDA graphs: captured at engine start-up (ahead), on first use, or none",
+    )
     ap.add_argument("--no-chunk-tokens", type=int, default=32768)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--kv-gb", type=float, help="device KV pool per engine (default: sized)")
@@ -439,6 +484,7 @@ def resolve(args: argparse.Namespace, loaded: LoadedModel) -> None:
         args.max_batch_tokens = 256
     args.prompt_len = args.prompt_len or prompt
     args.max_prefill_tokens = args.max_prefill_tokens or [PREFILL_TOKENS[kind]]
+    args.max_prefill_cost = args.max_prefill_cost or [PREFILL_COST[kind][1]]
     args.gen_len = args.gen_len or gen
     args.long_prompt = args.long_prompt or long
     args.vocab = min(loaded.tokenizer.vocab_size, loaded.config.vocab_size)

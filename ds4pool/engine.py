@@ -11,13 +11,17 @@ from pathlib import Path
 
 import torch
 
+from ds4pool.kv.cost import RestorePolicy
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.snapshot import ModelFingerprint
+from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
 from ds4pool.model.device import select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
+from ds4pool.sched.prefill_cost import DEFAULTS as PREFILL_COST
+from ds4pool.sched.prefill_cost import PrefillCost
 from ds4pool.sched.queue import QueueConfig
 from ds4pool.sched.request import Request, RequestStream
 from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserver
@@ -42,6 +46,9 @@ def fingerprint_for(loaded: LoadedModel) -> ModelFingerprint:
     )
 
 
+RESTORE_POLICIES = tuple(p.value for p in RestorePolicy)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "demo"
@@ -55,9 +62,14 @@ class EngineConfig:
     kv_disk_gb: float = 32.0
     kv_persist_idle_s: float = 30.0
     kv_persist_every_tokens: int = 4096
+    restore_policy: str = "auto"  # auto | always | never: read KV back or recompute (kv/cost.py)
     max_batch_tokens: int = 2048
     # Prompt tokens per step while some sequence decodes; None: PREFILL_TOKENS by device.
     max_prefill_tokens: int | None = None
+    # ... and prompt work per step then, in token-equivalents (sched/prefill_cost.py):
+    # None: by device; 0: no work cap. prefill_cost_scale: K of that model, None: by device.
+    max_prefill_cost: int | None = None
+    prefill_cost_scale: int | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
     no_batching: bool = False
@@ -69,7 +81,10 @@ class EngineConfig:
     cache_dir: Path | None = None
     show_progress: bool = False
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
-    cuda_graphs: bool = True  # capture decode steps per batch-size bucket (CUDA only)
+    # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
+    # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
+    cuda_graphs: str = "ahead"
+    graph_capture_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("kv_block_size", "max_batch_tokens", "max_batch_size"):
@@ -79,9 +94,19 @@ class EngineConfig:
             raise ValueError("kv_device_gb must be > 0")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
+        if self.max_prefill_cost is not None and self.max_prefill_cost < 0:
+            raise ValueError("max_prefill_cost must be >= 0 (0: no work cap)")
+        if self.prefill_cost_scale is not None and self.prefill_cost_scale < 1:
+            raise ValueError("prefill_cost_scale must be >= 1")
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
+        if self.graph_capture_s < 0:
+            raise ValueError("graph_capture_s must be >= 0")
         for name in ("kv_ram_gb", "kv_disk_gb", "coalesce_us", "kv_persist_idle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.restore_policy not in RESTORE_POLICIES:
+            raise ValueError(f"restore_policy must be one of {', '.join(RESTORE_POLICIES)}")
         if not self.aging_s > 0:  # the queue divides by it (0 failed every step)
             raise ValueError("aging_s must be > 0")
 
@@ -95,6 +120,19 @@ def prefill_tokens(cfg: EngineConfig, device: torch.device) -> int:
     if cfg.max_prefill_tokens is not None:
         return cfg.max_prefill_tokens
     return PREFILL_TOKENS.get(device.type, PREFILL_TOKENS["cpu"])
+
+
+def prefill_cost(
+    cfg: EngineConfig, device: torch.device, chunk_sizes: tuple[int, ...] = ()
+) -> PrefillCost | None:
+    """The work cap on prompt chunks next to decoders (None when max_prefill_cost is 0)."""
+    scale, budget = PREFILL_COST.get(device.type, PREFILL_COST["cpu"])
+    if cfg.max_prefill_cost is not None:
+        budget = cfg.max_prefill_cost
+    if budget == 0:
+        return None
+    scale = cfg.prefill_cost_scale or scale
+    return PrefillCost(scale, budget, chunk_sizes)
 
 
 def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:
@@ -141,6 +179,8 @@ class Engine:
             # the chunks that run next to decoders get graphs (capped: each size is captured)
             max_graph_chunk=min(prefill_tokens(cfg, loaded.device), 2048),
         )
+        # Before the pool and the worker exist: nothing else runs on the device yet.
+        self.graph_capture = self.runner.capture_graphs(cfg.graph_capture_s)
         self.pool = SessionPool(
             PoolConfig(
                 num_device_blocks=num_blocks,
@@ -151,6 +191,7 @@ class Engine:
                 persist_idle_s=cfg.kv_persist_idle_s,
                 persist_every_tokens=cfg.kv_persist_every_tokens,
                 acquire_timeout_s=cfg.session_wait_s,
+                restore_policy=cfg.restore_policy,
             ),
             DeviceKV(self.runner.kv_caches, self.runner.layout),
             fingerprint_for(loaded),
@@ -160,6 +201,7 @@ class Engine:
             SchedulerConfig(
                 max_batch_tokens=cfg.max_batch_tokens,
                 max_prefill_tokens=prefill_tokens(cfg, loaded.device),
+                prefill_cost=prefill_cost(cfg, loaded.device, self.runner.graph_chunk_sizes),
                 max_batch_size=cfg.max_batch_size,
                 serialized=cfg.no_batching,
                 session_wait_s=cfg.session_wait_s,
@@ -174,7 +216,9 @@ class Engine:
             self.runner,
             sched_observer,
         )
-        self.worker = Worker(self.scheduler, cfg.coalesce_us)
+        # graphs left out of the start-up capture (or missed by a step) are captured when idle
+        idle = self.runner.capture_pending_graph if self.graph_capture is not None else None
+        self.worker = Worker(self.scheduler, cfg.coalesce_us, idle=idle)
         self.worker.start()
         self._closed = False
         self._grammars: GrammarCache | None = None  # built on first use (imports xgrammar)

@@ -35,6 +35,9 @@ Histogram buckets (upper bounds, seconds unless noted):
   minutes on a CPU; a long generation runs for minutes.
 - TOKEN_LATENCY_BUCKETS — inter-token latency and step duration: 1 ms … 10 s, dense
   between 10 and 200 ms where decode steps of a batched GPU server live.
+- HOST_BUCKETS — host time of a step outside its forward (planning + writeback): 0.1 ms …
+  1 s; a few hundred µs is normal, milliseconds next to a ~5 ms GPU step is what an
+  overlapped loop would win back.
 - RESTORE_BUCKETS — KV restore per tier: 1 ms … 30 s (a RAM→device copy is milliseconds;
   a large lz4 snapshot read from disk can take seconds).
 - BATCH_SIZE_BUCKETS (sequences per step): 1 … 512, roughly ×1.5 steps around the default
@@ -74,6 +77,9 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
     10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+HOST_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
 TOKEN_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
@@ -117,6 +123,7 @@ KNOWN_MOVES = (
     ("disk", "none", "disk_full"),
 )
 RESTORE_TIERS = ("ram", "disk")  # the tier a restore reads from
+RESTORE_CHOICES = ("read", "recompute")  # kv/cost.py's decision for a returning session
 REJECT_REASONS = ("queue_full", "tenant_queue_full", "draining")
 
 # ds4pool_snapshot_errors_total{kind}: the disk tier's ERROR_KINDS folded into a small set
@@ -191,6 +198,14 @@ class Metrics:
             "ds4pool_step_duration_seconds",
             "Wall time of one forward step (model, sampling, the host sync).",
             buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+        self.step_host = Histogram(
+            "ds4pool_step_host_seconds",
+            "Host time of one step outside the forward: planning the batch and writing back "
+            "its tokens (the device waits meanwhile).",
+            buckets=HOST_BUCKETS,
             registry=r,
         )
 
@@ -286,6 +301,26 @@ class Metrics:
             buckets=RESTORE_BUCKETS,
             registry=r,
         )
+        self.restore_decisions = Counter(
+            "ds4pool_restore_decisions_total",
+            "Returning sessions whose KV in a tier (ram, disk) was read back or recomputed "
+            "(choice), from the measured rates below (or --restore-policy).",
+            ["tier", "choice"],
+            registry=r,
+        )
+        self.tier_read_rate = Gauge(
+            "ds4pool_tier_read_bytes_per_second",
+            "Measured rate (EWMA) of reading KV back from a tier: ram = the host to device "
+            "copy; disk = the snapshot read, checksum and decode. A prior until measured.",
+            ["tier"],
+            registry=r,
+        )
+        self.prefill_rate = Gauge(
+            "ds4pool_prefill_tokens_per_second",
+            "Measured prefill rate (EWMA over steps with prompt tokens, the decode rows' "
+            "share taken out) that a recompute is priced at. A prior until measured.",
+            registry=r,
+        )
         self.index_hit_tokens = Counter(
             "ds4pool_block_index_hit_tokens_total",
             "Tokens of KV taken from the block index by a prompt or a restore (another "
@@ -358,6 +393,9 @@ class Metrics:
             self.session_moves.labels(src, dst, reason)
         for tier in RESTORE_TIERS:
             self.restore_duration.labels(tier)
+            self.tier_read_rate.labels(tier)
+            for choice in RESTORE_CHOICES:
+                self.restore_decisions.labels(tier, choice)
         for kind in SNAPSHOT_ERROR_KINDS:
             self.snapshot_errors.labels(kind)
         for reason in REJECT_REASONS:
@@ -425,10 +463,13 @@ class MetricsSchedulerObserver(SchedulerObserver):
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
 
-    def step(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+    def step(
+        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
+    ) -> None:
         self.m.batch_size.observe(batch_size)
         self.m.batch_tokens.observe(num_tokens)
         self.m.step_duration.observe(seconds)
+        self.m.step_host.observe(host_seconds)
 
     def admitted(self, queue_wait_s: float) -> None:
         self.m.queue_wait.observe(queue_wait_s)
@@ -480,6 +521,11 @@ class MetricsPoolObserver(PoolObserver):
     def blocks_evicted(self, num_blocks: int) -> None:
         self.m.index_evictions.inc(num_blocks)
 
+    def restore_decided(self, tier: str, choice: str) -> None:
+        self.m.restore_decisions.labels(
+            _pick(tier, RESTORE_TIERS), _pick(choice, RESTORE_CHOICES)
+        ).inc()
+
 
 def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     """Refresh the gauges from the engine's current state (called at scrape time)."""
@@ -514,6 +560,10 @@ def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     metrics.kv_blocks_indexed.set(u.device_blocks_indexed)
     metrics.kv_blocks_cached.set(u.device_blocks_cached)
     metrics.kv_blocks_pinned.set(u.device_blocks_pinned)
+    rates = pool.cost.rates()
+    metrics.tier_read_rate.labels("ram").set(rates.ram_bytes_per_s)
+    metrics.tier_read_rate.labels("disk").set(rates.disk_bytes_per_s)
+    metrics.prefill_rate.set(rates.prefill_tokens_per_s)
 
 
 def render(metrics: Metrics, engine: Engine | None = None) -> bytes:

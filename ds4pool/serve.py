@@ -89,9 +89,40 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--max-prefill-cost",
+        type=int,
+        default=None,
+        help="prompt work per step while others decode, in tokens weighted by their context "
+        "(1 + position / --prefill-cost-scale each; default: 896 on CUDA, 112 on CPU; 0: off)",
+    )
+    _flag(
+        g,
+        "--prefill-cost-scale",
+        type=int,
+        default=None,
+        help="context at which a prompt token's attention costs as much as its GEMMs "
+        "(default: 4096)",
+    )
+    _flag(
+        g,
+        "--cuda-graphs",
+        default="ahead",
+        choices=["ahead", "lazy", "eager"],
+        help="CUDA graphs of decode and mixed steps: ahead (captured at start-up), lazy (on "
+        "first use), eager (none)",
+    )
+    _flag(
+        g,
+        "--graph-capture-s",
+        type=float,
+        default=120.0,
+        help="longest start-up capture (ahead); graphs left out are captured when idle",
+    )
+    _flag(
+        g,
         "--no-cuda-graphs",
         action="store_true",
-        help="run decode steps eagerly instead of replaying captured CUDA graphs",
+        help="run every step eagerly (same as --cuda-graphs eager)",
     )
     k = p.add_argument_group("session pool")
     _flag(
@@ -124,6 +155,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="persist a session every N new tokens (0: off)",
+    )
+    _flag(
+        k,
+        "--restore-policy",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="a returning session's KV in RAM or on disk: auto = read it back or recompute "
+        "it, whichever the measured rates say is faster; always = read; never = recompute",
     )
     q = p.add_argument_group("queue")
     _flag(q, "--max-waiting", type=int, default=1024, help="waiting requests, all tenants")
@@ -209,13 +248,17 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             kv_disk_gb=args.kv_disk_gb,
             kv_persist_idle_s=args.kv_persist_idle_s,
             kv_persist_every_tokens=args.kv_persist_every_tokens,
+            restore_policy=args.restore_policy,
             max_batch_tokens=args.max_batch_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
+            max_prefill_cost=args.max_prefill_cost,
+            prefill_cost_scale=args.prefill_cost_scale,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             no_batching=args.no_batching,
             attention_backend=args.attention_backend,
-            cuda_graphs=not args.no_cuda_graphs,
+            cuda_graphs="eager" if args.no_cuda_graphs else args.cuda_graphs,
+            graph_capture_s=args.graph_capture_s,
             max_waiting=args.max_waiting,
             max_waiting_per_tenant=args.max_waiting_per_tenant,
             aging_s=args.aging_s,

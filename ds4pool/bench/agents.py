@@ -20,7 +20,8 @@ inter-token latency (gaps between content chunks), usage (prompt, cached =
 `prompt_tokens_details.cached_tokens`, 0 when the server reports none, completion).
 Aggregate gen tok/s = completion tokens of all turns / wall time of the whole run (think
 pauses included). ds4pool's
-`ds4pool_session_moves_total` is scraped from `/metrics` before and after (n/a elsewhere).
+`ds4pool_session_moves_total` and `ds4pool_restore_decisions_total` (a returning session's KV
+read back or recomputed) are scraped from `/metrics` before and after (n/a elsewhere).
 Session ids repeat for a repeated seed: use a new `--seed` (or restart) per run.
 """
 
@@ -267,30 +268,42 @@ async def run_workload(
 # ------------------------------------------------------------------ server side facts
 
 
-_MOVE_LINE = re.compile(r"^ds4pool_session_moves_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
+_SAMPLE_LINE = re.compile(r"^(?P<name>\w+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+# counters of the report: metric → (labels joined into the key, the separator)
+COUNTERS = {
+    "session_moves": ("ds4pool_session_moves_total", ("from", "to"), "->"),
+    "restore_decisions": ("ds4pool_restore_decisions_total", ("tier", "choice"), " "),
+}
 
 
-def scrape_moves(url: str, api_key: str) -> dict[str, float] | None:
-    """`ds4pool_session_moves_total` summed by "from->to"; None if the server has none."""
+def scrape_counters(url: str, api_key: str) -> dict[str, dict[str, float] | None]:
+    """Each of COUNTERS summed by its labels ("ram->disk", "disk recompute"); None for a
+    counter the server does not export (another server, an older ds4pool)."""
     import httpx
 
+    out: dict[str, dict[str, float] | None] = dict.fromkeys(COUNTERS)
     try:
         resp = httpx.get(
             f"{url}/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
         )
     except httpx.HTTPError:
-        return None
-    if resp.status_code != 200 or "ds4pool_session_moves_total" not in resp.text:
-        return None
-    moves: dict[str, float] = {}
+        return out
+    if resp.status_code != 200:
+        return out
+    by_metric = {metric: (key, labels, sep) for key, (metric, labels, sep) in COUNTERS.items()}
     for line in resp.text.splitlines():
-        m = _MOVE_LINE.match(line)
-        if m:
-            labels = dict(_LABEL.findall(m.group("labels")))
-            key = f"{labels.get('from', '?')}->{labels.get('to', '?')}"
-            moves[key] = moves.get(key, 0.0) + float(m.group("value"))
-    return moves
+        m = _SAMPLE_LINE.match(line)
+        if m is None or m.group("name") not in by_metric:
+            continue
+        key, names, sep = by_metric[m.group("name")]
+        labels = dict(_LABEL.findall(m.group("labels")))
+        sums = out[key]
+        if sums is None:
+            sums = out[key] = {}
+        cell = sep.join(labels.get(n, "?") for n in names)
+        sums[cell] = sums.get(cell, 0.0) + float(m.group("value"))
+    return out
 
 
 def moves_delta(
@@ -406,8 +419,8 @@ def moves_cell(moves: dict[str, int] | None) -> str:
 TABLE_HEADER = (
     "| run | agents | turns ok | errors | TTFT first p50 / p95 (ms) "
     "| TTFT resumed p50 / p95 (ms) | ITL p50 / p95 (ms) | gen tok/s "
-    "| prefill computed / reused (tokens) | session moves |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    "| prefill computed / reused (tokens) | session moves | restore decisions |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
 )
 
 
@@ -417,7 +430,8 @@ def table_row(r: dict[str, Any]) -> str:
         f"| {r['label']} | {r['workload']['agents']} | {r['turns_ok']}/{r['turns_planned']} "
         f"| {r['errors'] + r['turns_skipped']} | {ms_pair(r['ttft_first_s'])} "
         f"| {ms_pair(r['ttft_resumed_s'])} | {ms_pair(r['itl_s'])} | {r['gen_tok_s']:.1f} "
-        f"| {p['computed']:,} / {p['reused']:,} | {moves_cell(r['session_moves'])} |"
+        f"| {p['computed']:,} / {p['reused']:,} | {moves_cell(r['session_moves'])} "
+        f"| {moves_cell(r.get('restore_decisions'))} |"
     )
 
 
@@ -573,7 +587,7 @@ def run_agents(args: argparse.Namespace) -> int:
     w = workload_from(args, model)
     label = args.label or f"agents-{w.agents}"
     machine_before = _machine()
-    before = scrape_moves(url, args.api_key)
+    before = scrape_counters(url, args.api_key)
     turns, wall = asyncio.run(
         run_workload(url, w, args.api_key, args.timeout_s, args.warmup, sys.stderr.isatty())
     )
@@ -586,7 +600,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "machine_after": _machine(),
         "workload": asdict(w),
         **summarize(turns, wall, w),
-        "session_moves": moves_delta(before, scrape_moves(url, args.api_key)),
+        **{k: moves_delta(before[k], v) for k, v in scrape_counters(url, args.api_key).items()},
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))

@@ -23,6 +23,9 @@ class PoolConfig:
     # Host copies waiting for their snapshot write (RAM overflow, demotions to disk) may hold
     # this much memory on top of ram_bytes; a spill past it loses that KV (re-prefilled).
     spill_bytes: int = 1 << 30
+    # read a returning session's KV back, or recompute it: "auto" (the cheaper, from measured
+    # rates), "always" (read), "never" (recompute); see kv/cost.py
+    restore_policy: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -56,3 +59,7 @@ class PoolObserver:
 
     def blocks_evicted(self, num_blocks: int) -> None:
         """Cached blocks left the block index to make room."""
+
+    def restore_decided(self, tier: str, choice: str) -> None:
+        """A returning session's KV in `tier` (ram, disk) is read back or recomputed
+        (`choice`: read, recompute), kv/cost.py's decision."""

@@ -268,10 +268,11 @@ class DiskTier:
         if wrote:
             self._fsync_directory()  # the block renames are durable before the session's
 
-    def read(self, tenant: str, session_id: str) -> Snapshot | None:
+    def read(self, tenant: str, session_id: str, *, kv: bool = True) -> Snapshot | None:
         """The validated snapshot (its shared blocks read from their block files), or None if
         absent or invalid (then quarantined, reported). A bad block file is quarantined and
-        every session file relying on it is deleted: on_evict is called for those others."""
+        every session file relying on it is deleted: on_evict is called for those others.
+        kv=False: its tokens and text only (decode_snapshot's kv=False: no block file read)."""
         key = (tenant, session_id)
         with self._lock:
             entry = self._index.get(key)
@@ -289,7 +290,7 @@ class DiskTier:
             return None
         with f:
             try:
-                snap = decode_snapshot(f, self.fingerprint, self._read_block)
+                snap = decode_snapshot(f, self.fingerprint, self._read_block, kv=kv)
                 if snap.key != key:
                     raise SnapshotError("format", f"file holds {snap.key}, expected {key}")
             except BlockFileError as e:

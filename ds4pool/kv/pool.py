@@ -28,9 +28,11 @@ from ds4pool.kv.admin import SessionAdmin
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.blockstore import index_secret
 from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
+from ds4pool.kv.cost import RestoreCost, RestorePolicy
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
+from ds4pool.kv.restore_plan import RestorePlanner
 from ds4pool.kv.session import (
     PrefixMatch,
     Session,
@@ -71,6 +73,9 @@ class SessionPool:
         )
         self.sharing = PrefixSharing(self.blocks, kv, cfg.block_size, self.observer)
         self.kv_bytes_per_token = kv.layout.bytes_per_token
+        # read a returning session's KV back or recompute it (kv/cost.py); the worker feeds
+        # it the steps' prefill rate, the planner's restores the tiers' read rates
+        self.cost = RestoreCost(RestorePolicy(cfg.restore_policy))
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._sessions: dict[SessionKey, Session] = {}
@@ -89,6 +94,9 @@ class SessionPool:
         )
         self.admin = SessionAdmin(
             self._sessions, self._cond, self.tiers, self.blocks, self._discard
+        )
+        self.planner = RestorePlanner(
+            self.cost, self.tiers, kv, self.observer, cfg.block_size, lambda: next(self._versions)
         )
         # the tiers' parts, as callers and tests know them
         self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer
@@ -141,7 +149,9 @@ class SessionPool:
         return session_id is not None and self.prefetcher.pending((tenant, session_id))
 
     def _bring_up(self, key: SessionKey) -> None:
-        self.tiers.read_ahead(key)
+        with self._lock:
+            read_kv = self.planner.reads_disk(self._sessions.get(key))  # or recompute it
+        self.tiers.read_ahead(key, kv=read_kv)
         self.restore_ahead(key)
 
     def release(self, s: Session) -> None:
@@ -256,7 +266,9 @@ class SessionPool:
                 table.release(self.blocks)
                 self.tiers.abort_restore(s, move)
                 raise
-            self.tiers.finish_restore(s, move, table, start=shared)
+            move = self.planner.plan_copy(s, move, shared)  # copy the rest, or recompute it
+            self.planner.copy_in(s, move, table, shared)
+            self.tiers.finish_restore(s, move, table, start=shared, copied=True)
             self.sharing.restored_into(s, table)
 
     def restore_ahead(self, key: SessionKey) -> None:
@@ -270,13 +282,15 @@ class SessionPool:
             table = BlockTable(self.cfg.block_size)
             if table.blocks_needed(s.num_computed) > self.blocks.num_free:
                 return  # no room without demotions: the step thread's restore decides
+            if not self.planner.reads_ahead(s):
+                return  # to be recomputed: the step thread's restore decides it
             move = self.tiers.begin_restore(s)
             shared = self.sharing.share_for_restore(s, table)  # only the rest is copied
             table.ensure(self.blocks, s.num_computed)
             s.block_table = table  # held by the session while copying (check_integrity)
             s.in_flight = s.copying = True
         try:
-            self.tiers.copy_in(s, move, table, start=shared)
+            self.planner.copy_in(s, move, table, shared)
         except BaseException:
             with self._cond:
                 table.release(self.blocks)

@@ -595,12 +595,18 @@ def read_tokens(f: Readable, sec: Section) -> list[int]:
 
 
 def decode_snapshot(
-    source: Source, expected: ModelFingerprint, read_block: BlockReader | None = None
+    source: Source,
+    expected: ModelFingerprint,
+    read_block: BlockReader | None = None,
+    *,
+    kv: bool = True,
 ) -> Snapshot:
     """Fully validate and decode a snapshot from bytes or a binary file positioned at its start.
     A version 2 snapshot gets its shared blocks from `read_block` (the disk tier's block
     files; a SnapshotError without one). Raises SnapshotError; never returns data whose CRC
-    or fingerprint did not match."""
+    or fingerprint did not match.
+    kv=False stops after the tokens and the text (a session whose KV is to be recomputed):
+    the KV sections and block files are neither read nor checked, and `kv` is empty."""
     f = as_reader(source)
     h = read_header(f)
     check_fingerprint(h, expected)
@@ -609,8 +615,10 @@ def decode_snapshot(
         text = str(read_section(f, h.text, "text"), "utf-8")
     except UnicodeDecodeError as e:
         raise SnapshotError("format", f"text is not UTF-8: {e}") from e
+    if not kv:
+        return Snapshot(h, token_ids, text, [])
     dtype = h.fingerprint.torch_dtype
-    kv = [
+    layers = [
         decode_frame(
             read_section(f, sec, f"KV layer {i}"), h.kv_shape, dtype, h.shuffle, f"KV layer {i}"
         )
@@ -621,8 +629,8 @@ def decode_snapshot(
     if h.shared:
         if read_block is None:
             raise SnapshotError("format", "a version 2 snapshot needs its block files")
-        kv = _with_blocks(h, token_ids, kv, read_block)
-    return Snapshot(h, token_ids, text, kv)
+        layers = _with_blocks(h, token_ids, layers, read_block)
+    return Snapshot(h, token_ids, text, layers)
 
 
 def _with_blocks(

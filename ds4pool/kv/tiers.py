@@ -270,9 +270,10 @@ class Tiers:
         if s.tier is Tier.RAM:
             s.disk_read_s = time.perf_counter() - t0
 
-    def read_ahead(self, key: SessionKey) -> None:
+    def read_ahead(self, key: SessionKey, kv: bool = True) -> None:
         """The prefetch thread's job: disk → host buffer (read, checksum, decode) off the pool
-        lock, then file the copy in the RAM LRU, unless the session moved meanwhile."""
+        lock, then file the copy in the RAM LRU, unless the session moved meanwhile.
+        kv=False (its KV is to be recomputed, kv/cost.py): read its tokens and text only."""
         if self.disk is None:
             return
         with self._lock:
@@ -281,12 +282,16 @@ class Tiers:
                 return
             version, num_computed = s.version, s.num_computed
         t0 = time.perf_counter()
-        snap = self.disk.read(*key)
-        host = self._host_copy(snap, num_computed)
+        snap = self.disk.read(*key) if kv else self.disk.read(*key, kv=False)
+        host = self._host_copy(snap, num_computed) if kv else None
         read_s = time.perf_counter() - t0
         with self._lock:
             if self._sessions.get(key) is not s or s.tier is not Tier.DISK or s.in_flight:
                 return  # taken by a request (it loads itself) or dropped: discard the read
+            if not kv:
+                if s.version == version:
+                    self._install_tokens(s, snap)
+                return
             if s.version != version or (host is not None and not self.ram.fits(nbytes(host))):
                 return  # changed, or too large for RAM: the request reads it on its own
             self._install(s, snap, host)
@@ -321,6 +326,20 @@ class Tiers:
             s.token_ids, s.text = s.token_ids[:n], ""
         s.num_computed = n
         s.host_kv, s.tier = host, Tier.RAM
+
+    def _install_tokens(self, s: Session, snap: Snapshot | None) -> None:
+        """A DISK session gets its snapshot's tokens and text but no KV (tier NONE): its
+        next prompt is matched against the tokens as they were and prefilled."""
+        if snap is None:
+            self._install(s, None, None)
+            return
+        n = min(s.num_computed, snap.header.num_kv_tokens)
+        s.token_ids, s.text, s.loaded = snap.token_ids, snap.text, True
+        if n < snap.header.num_kv_tokens:  # truncated while on disk (as in _install)
+            s.token_ids, s.text = s.token_ids[:n], ""
+        s.block_keys, s.text_marks = [], []
+        s.tier, s.num_computed, s.num_persisted = Tier.NONE, 0, 0
+        s.version = self._next_version()
 
     def file_in_ram(self, s: Session) -> None:
         """A host copy read from disk whose request ended before its restore: into the LRU."""

@@ -79,6 +79,12 @@ def scatter_from_host(
         kv.layout.token_view(cache).index_copy_(1, slots, src)
 
 
+def synchronize(kv: DeviceKV) -> None:
+    """Wait for the copies queued on the device's current stream (a no-op off CUDA)."""
+    if kv.device.type == "cuda":
+        torch.cuda.current_stream(kv.device).synchronize()
+
+
 def copy_block(kv: DeviceKV, src: int, dst: int, block_size: int) -> None:
     """Copy device block src's K and V into block dst, every layer (copy-on-write)."""
     src_slots = torch.tensor(kv.layout.slots([src], 0, block_size), device=kv.device)

@@ -61,10 +61,19 @@ class TorchMLAAttention:
     """Reference MLA backend in plain torch. Decode tokens of all sequences are attended
     together (the latent gathered through the block tables, padded, padding masked); each
     prompt chunk in `meta.prefills` is attended on its own with SDPA, its H heads over the
-    one latent head. Every token's latent is written, whichever rows are attended."""
+    one latent head. Every token's latent is written, whichever rows are attended.
+
+    Decode steps may be captured in CUDA graphs: the decode path reads only tensors and
+    shapes (the table width), never host values. Prompt chunks may not (they are sliced by
+    `meta.prefills`, host lists): it has no `graph_prefill_partitions`, so the runner builds
+    no mixed-step graphs for it. The decode path gathers every row's padded context, which a
+    graph keeps in its pool: `graph_gather_tokens` bounds batch bucket x table width (in
+    tokens) of the decode graphs (DeepSeek-V3's 576 bf16 values a token: 1.2 GB, reused by
+    every layer); wider steps run eagerly."""
 
     name = "torch-mla"
-    supports_cuda_graphs = False
+    supports_cuda_graphs = True
+    graph_gather_tokens = 1 << 20
     index_dtype = torch.int64
 
     def forward(

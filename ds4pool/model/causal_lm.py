@@ -18,6 +18,7 @@ from torch import nn
 
 from ds4pool.model.attention import AttentionMetadata
 from ds4pool.model.config import ModelConfig
+from ds4pool.model.moe import SYNC_FREE, SparseMoeBlock, expert_impl
 from ds4pool.model.ops import TorchOps
 
 
@@ -49,6 +50,17 @@ class PagedCausalLM(nn.Module):
         for layer, cache, next_norm in zip(layers, kv_caches, norms):
             h, residual = layer(h, residual, next_norm, rope, cache, meta, ops)
         return h
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether a step's forward may be captured: dense models always; MoE models where the
+        experts run on a sync-free grouped path (model/moe.py), not the per-expert loop."""
+        weight = self.model.embed_tokens.weight
+        return all(
+            expert_impl(weight.device, weight.dtype, m.impl) in SYNC_FREE
+            for m in self.modules()
+            if isinstance(m, SparseMoeBlock)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
         return self.lm_head(hidden)

@@ -68,9 +68,6 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(PagedCausalLM):
     """DeepSeek-V3's layers in the shared decoder forward (model/causal_lm.py)."""
 
-    # The reference MLA backend has no graph-safe kernel yet: decode steps run eagerly.
-    supports_cuda_graphs = False
-
     def __init__(self, cfg: ModelConfig, backend: MLABackend | None = None) -> None:
         super().__init__(cfg, DeepseekV3Model(cfg, backend or TorchMLAAttention()))
 

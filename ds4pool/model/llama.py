@@ -19,7 +19,7 @@ from ds4pool.model.attention import AttentionBackend, AttentionMetadata, TorchPa
 from ds4pool.model.causal_lm import PagedCausalLM
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from ds4pool.model.moe import SYNC_FREE, SparseMoeBlock, expert_impl
+from ds4pool.model.moe import SparseMoeBlock
 from ds4pool.model.ops import TorchOps
 
 
@@ -125,17 +125,6 @@ class LlamaForCausalLM(PagedCausalLM):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return self.ops.rope(self.model.rotary_emb, positions, dtype)
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        """Whether a decode forward may be captured: dense models always; MoE models where the
-        experts run on a sync-free grouped path (model/moe.py), not the per-expert loop."""
-        weight = self.model.embed_tokens.weight
-        return all(
-            expert_impl(weight.device, weight.dtype, m.impl) in SYNC_FREE
-            for m in self.modules()
-            if isinstance(m, SparseMoeBlock)
-        )
 
     def fuse_projections(self) -> None:
         """After loading: q/k/v → qkv_proj and gate/up → gate_up_proj in every layer."""

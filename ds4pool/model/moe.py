@@ -1,10 +1,11 @@
-"""Mixture-of-experts: routers and the expert-grouped compute, as plain functions.
+"""Mixture-of-experts: the expert compute as plain functions, and the sparse block.
 
 Shapes: T = tokens in the step (the whole ragged batch), H = hidden size, E = experts,
 k = experts per token, I = one expert's intermediate size, R = T * k routed rows.
 
-A router maps expert logits [T, E] to (weights [T, k] float32, ids [T, k] int64), exactly as
-the reference implementation of its family computes them. The experts' weights are stacked:
+A router (model/routers.py) maps expert logits [T, E] to (weights [T, k] float32, ids [T, k]
+int64), exactly as the reference implementation of its family computes them. The experts'
+weights are stacked:
 `gate_up [E, 2I, H]` (gate rows first, then up, as transformers 5 holds them) and
 `down [E, H, I]`.
 
@@ -15,7 +16,11 @@ once per step however many tokens chose it, and an expert no token chose is not 
 It has no host sync (counts, offsets and the permutation stay on the device), so a decode
 step through it can be captured in a CUDA graph. `looped_experts` is the reference and the CPU
 path: one matmul pair per expert that some token chose (it reads which ones on the host).
-Both combine a token's k outputs in its top-k order, in float32, so they agree to rounding.
+For small decode steps (T·k ≤ `DECODE_MAX_PAIRS`) "auto" on CUDA takes the decode path
+instead: the router fused into one launch (model/kernels/triton_moe_route.py), then gate_up,
+down and combine kernels that read each chosen expert once (triton_moe_decode.py), five
+launches per layer with the router's linear instead of ~15. All combine a token's k outputs
+in its top-k order, in float32, so they agree to rounding.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.nn import functional as F
 
 from ds4pool.model.config import MoEConfig
 from ds4pool.model.layers import GatedMLP
+from ds4pool.model.routers import route
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] gate|up → [R, I]
 
@@ -37,75 +43,6 @@ Activation = Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] gate|up → [R, I
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-# ---- routers: logits [T, E] → (weights [T, k] float32, ids [T, k] int64) ----
-
-
-def route_softmax_topk(
-    logits: torch.Tensor, top_k: int, normalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE: softmax over all experts in float32, top-k, renormalised if asked."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral: the top-k logits, softmax over those k (= softmax over all, renormalised)."""
-    top, ids = torch.topk(logits.float(), top_k, dim=-1)
-    return torch.softmax(top, dim=-1), ids
-
-
-def route_sigmoid_group_topk(
-    logits: torch.Tensor,
-    top_k: int,
-    correction_bias: torch.Tensor | None,  # [E] e_score_correction_bias
-    n_group: int,
-    topk_group: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3: sigmoid scores; the bias-corrected scores choose, group-limited (each group
-    ranked by the sum of its two best experts, a token picks among the best topk_group groups);
-    the weights are the uncorrected scores of the chosen experts, renormalised if asked, times
-    routed_scaling_factor."""
-    scores = logits.float().sigmoid()  # [T, E]
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    t, e = choice.shape
-    if n_group > 1:
-        grouped = choice.view(t, n_group, e // n_group)
-        group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
-        group_ids = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
-        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
-    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if normalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
-
-
-def route(
-    moe: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router `moe.router` names, with its parameters from the config."""
-    if moe.router == "softmax_topk":
-        return route_softmax_topk(logits, moe.top_k, moe.norm_topk_prob)
-    if moe.router == "topk_softmax":
-        return route_topk_softmax(logits, moe.top_k)
-    assert moe.router == "sigmoid_group_topk", moe.router
-    return route_sigmoid_group_topk(
-        logits,
-        moe.top_k,
-        correction_bias,
-        moe.n_group,
-        moe.topk_group,
-        moe.norm_topk_prob,
-        moe.routed_scaling_factor,
-    )
 
 
 # ---- expert compute: x [T, H], (weights, ids) [T, k] → [T, H] ----
@@ -151,21 +88,36 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # How a SparseMoeBlock computes its experts: "grouped_mm" (torch's, CUTLASS), "triton"
-# (model/kernels/triton_moe.py), "loop" (looped_experts), or "auto": the first of those that
-# is sync-free on the device and dtype, else the loop.
-EXPERT_IMPLS = ("auto", "grouped_mm", "triton", "loop")
-SYNC_FREE = ("grouped_mm", "triton")
+# (model/kernels/triton_moe.py), "decode" (model/kernels/triton_moe_decode.py), "loop"
+# (looped_experts), or "auto": on CUDA with triton the decode path for steps of at most
+# `max_pairs` (token, expert) pairs, else the first grouped GEMM that is sync-free on the
+# device and dtype, else the loop.
+EXPERT_IMPLS = ("auto", "grouped_mm", "triton", "decode", "loop")
+SYNC_FREE = ("grouped_mm", "triton", "decode")
+# T·k up to which "auto" takes the decode path (batch 64 at top-8): its programs serve one
+# expert each and multiply every token row of the step, so with enough pairs the tiled
+# grouped GEMMs win. Measured on the H200 (bench/moe_layer.py, Qwen3-30B-A3B layer,
+# 2026-12-01): the decode path is faster at every T from 1 to 64 (422 vs 517 µs a layer at
+# 64 tokens); past 64 tokens it was not measured, so prefill chunks keep the grouped GEMMs.
+DECODE_MAX_PAIRS = 512
 
 
-def expert_impl(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+def expert_impl(
+    device: torch.device,
+    dtype: torch.dtype,
+    requested: str = "auto",
+    pairs: int | None = None,  # T·k of the step; None: the choice for large steps
+    max_pairs: int = DECODE_MAX_PAIRS,
+) -> str:
     assert requested in EXPERT_IMPLS, requested
     if requested != "auto":
         return requested
+    triton_ok = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if triton_ok and pairs is not None and pairs <= max_pairs:
+        return "decode"
     if grouped_mm_supported(device, dtype):
         return "grouped_mm"
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        return "triton"
-    return "loop"
+    return "triton" if triton_ok else "loop"
 
 
 def grouped_experts(
@@ -210,11 +162,19 @@ def experts_forward(
     down: torch.Tensor,
     act: Activation = silu_mul,
     impl: str = "auto",
+    max_pairs: int = DECODE_MAX_PAIRS,
 ) -> torch.Tensor:
-    """The experts of every token, by `expert_impl(impl)`."""
-    chosen = expert_impl(x.device, x.dtype, impl)
+    """The experts of every token, by `expert_impl(impl)`. The decode path fuses silu·mul
+    (every supported family's expert activation) and ignores `act`."""
+    chosen = expert_impl(x.device, x.dtype, impl, ids.numel(), max_pairs)
     if chosen == "loop":
         return looped_experts(x, weights, ids, gate_up, down, act)
+    if chosen == "decode":
+        from ds4pool.model.kernels.triton_moe_decode import decode_experts
+        from ds4pool.model.kernels.triton_moe_route import expert_groups
+
+        groups = expert_groups(ids, gate_up.shape[0])
+        return decode_experts(x, weights, ids, groups, gate_up, down)
     return grouped_experts(x, weights, ids, gate_up, down, act, gemm=chosen)
 
 
@@ -236,12 +196,20 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] → [T, E]
         if self.moe.router == "sigmoid_group_topk":  # DeepSeek scores in float32
-            logits = F.linear(x.float(), self.weight.float())
-        else:
-            logits = F.linear(x, self.weight)  # [T, E]
-        return route(self.moe, logits, self.e_score_correction_bias)
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
+        return route(self.moe, self.logits(x), self.e_score_correction_bias)
+
+    def route_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, ids, groups) for the decode path: the router's linear, then the routing
+        and the step's expert groups in one Triton launch."""
+        from ds4pool.model.kernels.triton_moe_route import route_fused
+
+        return route_fused(self.moe, self.logits(x), self.e_score_correction_bias)
 
 
 class Experts(nn.Module):
@@ -271,18 +239,29 @@ class SparseMoeBlock(nn.Module):
         # a step reads); Python-side, so it sees eager forwards only, not graph replays.
         self.observer: Callable[[torch.Tensor], None] | None = None
         self.impl = "auto"  # one of EXPERT_IMPLS (benchmarks compare them)
+        self.decode_max_pairs = DECODE_MAX_PAIRS  # where "auto" switches to grouped GEMMs
+        self.decode_gemv_tokens: int | None = None  # None: the decode kernels' own default
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
             self.shared_experts.fuse()
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
-        weights, ids = self.gate(x)
-        if self.observer is not None:
-            self.observer(ids)
-        act = silu_mul if ops is None else ops.silu_mul
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        out = experts_forward(x, weights, ids, gate_up, down, act, self.impl)
+        pairs = x.shape[0] * self.gate.moe.top_k
+        if expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs) == "decode":
+            from ds4pool.model.kernels.triton_moe_decode import decode_experts
+
+            weights, ids, groups = self.gate.route_decode(x)
+            if self.observer is not None:
+                self.observer(ids)
+            out = decode_experts(x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens)
+        else:
+            weights, ids = self.gate(x)
+            if self.observer is not None:
+                self.observer(ids)
+            act = silu_mul if ops is None else ops.silu_mul
+            out = experts_forward(x, weights, ids, gate_up, down, act, self.impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ops)
         return out

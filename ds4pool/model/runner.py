@@ -10,6 +10,8 @@ Two paths:
   epoch); on CUDA with a graph-capable backend they replay a captured CUDA graph;
 - a step of decodes plus one prompt chunk of at most `max_graph_chunk` tokens goes
   through the persistent `MixedBatch` and, with graphs, replays a mixed-step graph;
+- with graphs captured ahead (`cuda_graphs="ahead"`, `capture_graphs`), a step whose shape
+  has no graph yet runs eagerly and its shape is captured when the worker is idle;
 - every other step (several chunks, a long chunk) builds its metadata from the lists and
   runs eagerly.
 """
@@ -25,7 +27,7 @@ from ds4pool.errors import ContextLengthError
 from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
 from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
-from ds4pool.model.cuda_graphs import StepGraphs, default_buckets
+from ds4pool.model.cuda_graphs import MODES, CaptureReport, StepGraphs, default_buckets
 from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
@@ -99,10 +101,15 @@ class ModelRunner:
         block_size: int = 16,
         *,
         backend: str = "auto",
-        cuda_graphs: bool = True,
+        cuda_graphs: bool | str = True,
         max_decode_batch: int = 64,
         max_graph_chunk: int = 512,
     ) -> None:
+        """`cuda_graphs`: "eager" (none), "lazy" (captured on first use; True), "ahead"
+        (captured by `capture_graphs`, misses run eagerly and are captured when idle)."""
+        mode = {True: "lazy", False: "eager"}.get(cuda_graphs, cuda_graphs)  # type: ignore[call-overload]
+        if mode not in MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(MODES)}, not {mode!r}")
         cfg = loaded.config
         self.loaded = loaded
         self.model = loaded.model
@@ -135,7 +142,7 @@ class ModelRunner:
         graphable = self.backend.supports_cuda_graphs and getattr(
             self.model, "supports_cuda_graphs", True
         )
-        if cuda_graphs and self.device.type == "cuda" and graphable:
+        if mode != "eager" and self.device.type == "cuda" and graphable:
             partitions = None
             graph_parts = getattr(self.backend, "graph_prefill_partitions", None)
             if graph_parts is not None and max_graph_chunk > 0:
@@ -161,7 +168,29 @@ class ModelRunner:
                 loaded.dtype,
                 self.mixed,
                 partitions,
+                mode,
+                getattr(self.backend, "graph_gather_tokens", None),
             )
+
+    @property
+    def graph_chunk_sizes(self) -> tuple[int, ...]:
+        """Prompt chunk sizes that replay a mixed-step graph unpadded; () without graphs."""
+        return tuple(self.graphs.chunks) if self.graphs is not None else ()
+
+    def capture_graphs(self, max_seconds: float) -> CaptureReport | None:
+        """Capture every graph a step can need now (ahead mode), for at most max_seconds;
+        None when there are no graphs or they are captured lazily."""
+        if self.graphs is None or self.graphs.mode != "ahead":
+            return None
+        with torch.inference_mode():
+            return self.graphs.capture_ahead(max_seconds)
+
+    def capture_pending_graph(self) -> bool:
+        """Capture one graph left for idle time; True while more remain."""
+        if self.graphs is None or self.graphs.mode != "ahead":
+            return False
+        with torch.inference_mode():
+            return self.graphs.capture_pending()
 
     @staticmethod
     def blocks_for_bytes(loaded: LoadedModel, block_size: int, nbytes: int) -> int:
@@ -235,7 +264,8 @@ class ModelRunner:
         )
         if bucket is not None:
             assert self.graphs is not None
-            return self.graphs.replay(bucket, max_ctx)[:n]
+            if self.graphs.ready(self.graphs.decode_key(bucket, max_ctx)):
+                return self.graphs.replay(bucket, max_ctx)[:n]
         meta = self.batch.metadata(n, max_ctx)
         hidden = self.model(self.batch.input_ids[:n], self.kv_caches, meta)  # [B, E]
         return self.model.compute_logits(hidden)
@@ -247,7 +277,11 @@ class ModelRunner:
         chunks = [len(s.token_ids) for s in seqs if len(s.token_ids) > 1]
         if len(chunks) != 1:
             return None
-        return self.graphs.mixed_shape(len(seqs) - 1, chunks[0])
+        shape = self.graphs.mixed_shape(len(seqs) - 1, chunks[0])
+        if shape is None:
+            return None
+        max_ctx = max(s.context_len for s in seqs)
+        return shape if self.graphs.ready(self.graphs.mixed_key(shape, max_ctx)) else None
 
     def _mixed_logits(
         self, seqs: Sequence[SeqInput], rows: list[int], shape: MixedShape

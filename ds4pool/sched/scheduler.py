@@ -4,8 +4,10 @@ There is no prefill phase and no decode phase: every running request has
 `num_computed` catching up to `num_tokens` (prompt tokens, then each sampled token).
 A step takes one token from each request that is decoding, then prompt chunks of
 running and newly admitted requests, under `max_batch_tokens` and `max_batch_size`.
-While any request decodes, prompt chunks also share `max_prefill_tokens`: a step's
-length is set by its prefill work, and every decoder waits for the whole step.
+While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
+`prefill_cost`, a budget of work that counts their attention over the context
+(sched/prefill_cost.py): a step's length is set by its prefill work, and every decoder waits
+for the whole step.
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
@@ -22,6 +24,7 @@ from ds4pool.errors import ContextLengthError, Ds4poolError, OutOfBlocksError
 from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
 from ds4pool.model.runner import ModelRunner, SeqInput, StepOutput
+from ds4pool.sched.prefill_cost import PrefillCost
 from ds4pool.sched.queue import FairQueue, QueueConfig
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
@@ -39,6 +42,8 @@ class SchedulerConfig:
     # Prompt tokens per step while some sequence decodes (a lone prompt uses the full
     # max_batch_tokens): bounds how long a prefill chunk stalls the decoders.
     max_prefill_tokens: int = 2048
+    # ... and at most this much prompt work (tokens weighted by their context); None: off
+    prefill_cost: PrefillCost | None = None
     max_batch_size: int = 64
     serialized: bool = False  # --no-batching: one request at a time, one live session
     session_wait_s: float = 120.0  # how long a request may wait for its busy session
@@ -48,7 +53,9 @@ class SchedulerConfig:
 class SchedulerObserver:
     """Hooks for metrics; the default does nothing."""
 
-    def step(self, batch_size: int, num_tokens: int, seconds: float) -> None: ...
+    def step(
+        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
+    ) -> None: ...
 
     def admitted(self, queue_wait_s: float) -> None: ...
 
@@ -66,6 +73,8 @@ class Step:
     seqs: list[Seq]
     inputs: list[SeqInput]
     counts: list[int]  # tokens computed per seq
+    # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
+    work_left: float | None = None
 
 
 class _Room:
@@ -156,6 +165,8 @@ class Scheduler:
         )
         if step.seqs:  # someone decodes: prompt chunks share the smaller prefill budget
             budget = min(budget, self.cfg.max_prefill_tokens)
+            if self.cfg.prefill_cost is not None:
+                step.work_left = float(self.cfg.prefill_cost.budget)
         budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
         self._admit(step, budget)
         return step if step.seqs else None
@@ -167,11 +178,23 @@ class Scheduler:
                 break
             if seq.state is not State.RUNNING:  # preempted by an earlier _reserve
                 continue
-            n = min(seq.num_pending, budget)
-            if self._reserve(seq, n, step):
+            n = self._chunk_len(step, seq, budget)
+            if n and self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
         return budget
+
+    def _chunk_len(self, step: Step, seq: Seq, budget: int) -> int:
+        """Tokens of seq for this step: within the token budget and, for a prompt chunk next
+        to decoders, the work budget (charged here, even if its blocks then do not fit)."""
+        n = min(seq.num_pending, budget)
+        cost = self.cfg.prefill_cost
+        if step.work_left is None or cost is None or n <= 1:
+            return n
+        first = step.work_left >= cost.budget
+        n = cost.chunk(seq.num_computed, n, step.work_left, first)
+        step.work_left -= cost.cost(seq.num_computed, n)
+        return n
 
     def _reserve(self, seq: Seq, n: int, step: Step) -> bool:
         """Blocks for n more tokens of seq; preempts lower-priority running requests
@@ -252,8 +275,8 @@ class Scheduler:
             self._dequeue(seq)
             seq.state = State.RUNNING
             self.running.append(seq)
-            n = min(seq.num_pending, budget)
-            if self._reserve(seq, n, step):
+            n = self._chunk_len(step, seq, budget)
+            if n and self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
 
@@ -291,8 +314,10 @@ class Scheduler:
             seq.admitted_at = now
         self.pool.restore(seq.session)
         # A preempted request's KV can be lost while it waits (it did not fit in RAM and the
-        # disk write failed, or there is no disk tier): recompute what the session lacks.
+        # disk write failed, or there is no disk tier), and a restore may choose to recompute
+        # it (kv/cost.py): recompute what the session lacks, and report it as computed.
         seq.num_computed = min(seq.num_computed, seq.session.num_computed)
+        seq.num_reused = min(seq.num_reused, seq.num_computed)
         return True
 
     def _match(self, seq: Seq) -> None:

@@ -17,11 +17,13 @@ from ds4pool.model.demo import init_random_
 from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.moe import (
     SparseMoeBlock,
+    expert_impl,
+    experts_forward,
     grouped_experts,
     grouped_mm_supported,
     looped_experts,
-    route_softmax_topk,
 )
+from ds4pool.model.routers import route_softmax_topk
 from ds4pool.model.runner import ModelRunner, SeqInput
 
 pytestmark = pytest.mark.cuda
@@ -31,7 +33,7 @@ CUDA = torch.device("cuda")
 def needs(gemm: str) -> None:
     if gemm == "grouped_mm" and not grouped_mm_supported(CUDA, torch.bfloat16):
         pytest.skip("torch has no sync-free bf16 grouped_mm on this GPU (needs sm90/sm100)")
-    if gemm == "triton":
+    if gemm in ("triton", "decode", "auto"):
         pytest.importorskip("triton")
 
 
@@ -67,7 +69,66 @@ def test_grouped_gemm_matches_the_reference_loop(tokens: int, gemm: str) -> None
     assert rel_err(grouped.cpu(), truth) <= 1.25 * rel_err(looped.cpu(), truth) + 1e-3
 
 
-@pytest.mark.parametrize(("gemm", "dtype"), [("grouped_mm", "bfloat16"), ("triton", "float16")])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 32])
+def test_decode_path_matches_the_reference_loop(tokens: int, dtype: str) -> None:
+    """The small-batch kernels (GEMV rows below 16 tokens, tl.dot from 16) vs the loop."""
+    needs("decode")
+    dt = getattr(torch, dtype)
+    x, w, ids, gate_up, down = moe_inputs(tokens, e=64, k=8, h=512, i=192)
+    truth = looped_experts(x.double(), w, ids, gate_up.double(), down.double())
+    xs, gu, dn = (t.to(CUDA, dt) for t in (x, gate_up, down))
+    w, ids = w.to(CUDA), ids.to(CUDA)
+    got = experts_forward(xs, w, ids, gu, dn, impl="decode")
+    looped = looped_experts(xs, w, ids, gu, dn)
+    assert got.dtype == dt and got.shape == x.shape
+    if dtype == "float32":
+        assert rel_err(got.cpu(), truth) < 1e-4  # tf32 is not used for float32 inputs
+    else:
+        assert rel_err(got.cpu(), truth) <= 1.25 * rel_err(looped.cpu(), truth) + 1e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize(
+    ("router", "experts", "n_group", "topk_group"),
+    [("softmax_topk", 128, 1, 1), ("topk_softmax", 8, 1, 1), ("sigmoid_group_topk", 256, 8, 4)],
+)
+def test_fused_router_matches_the_torch_router(
+    router: str, experts: int, n_group: int, topk_group: int, tokens: int
+) -> None:
+    """The compiled route kernel (not the interpreter) against model/routers.py, float32
+    logits: the same experts (as sets: DeepSeek's reference top-k is unsorted), the same
+    weights, and the step's distinct experts as groups."""
+    needs("decode")
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_route import route_fused
+    from ds4pool.model.routers import route
+
+    k = 2 if experts == 8 else 8
+    moe = MoEConfig(experts, k, 16, router, (0,), True, n_group, topk_group, 2.5)
+    gen = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=gen).to(CUDA)
+    bias = (torch.rand(experts, generator=gen) * 0.2).to(CUDA) if n_group > 1 else None
+    w, ids, groups = route_fused(moe, logits, bias)
+    want_w, want_ids = route(moe, logits, bias)
+    o, wo = ids.argsort(dim=1), want_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, o), want_ids.gather(1, wo))
+    assert torch.allclose(w.gather(1, o), want_w.gather(1, wo), atol=1e-6)
+    distinct = torch.unique(want_ids).tolist()
+    assert groups.tolist() == distinct + [-1] * (min(experts, tokens * k) - len(distinct))
+
+
+def test_auto_takes_the_decode_path_for_small_steps_only() -> None:
+    needs("decode")
+    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=8) == "decode"
+    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=128) == "decode"
+    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=129) != "decode"
+    assert expert_impl(CUDA, torch.bfloat16, "auto") != "decode"  # the large-step choice
+
+
+@pytest.mark.parametrize(
+    ("gemm", "dtype"), [("grouped_mm", "bfloat16"), ("triton", "float16"), ("decode", "bfloat16")]
+)
 def test_grouped_experts_capture_in_a_cuda_graph(gemm: str, dtype: str) -> None:
     """No host sync: the grouped path records into a graph, and replays give what an eager
     call gives for new routing copied into the same buffers."""
@@ -79,18 +140,18 @@ def test_grouped_experts_capture_in_a_cuda_graph(gemm: str, dtype: str) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        grouped_experts(sx, sw, sids, gu, dn, gemm=gemm)  # warm-up outside the capture
+        experts_forward(sx, sw, sids, gu, dn, impl=gemm)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = grouped_experts(sx, sw, sids, gu, dn, gemm=gemm)
+        out = experts_forward(sx, sw, sids, gu, dn, impl=gemm)
     for seed in (1, 2, 3):  # other tokens, other experts (some unchosen), same shapes
         x2, w2, ids2, _, _ = moe_inputs(32, seed=seed)
         sx.copy_(x2.to(CUDA, dt))
         sw.copy_(w2.to(CUDA))
         sids.copy_(ids2.to(CUDA))
         graph.replay()
-        want = grouped_experts(sx, sw, sids, gu, dn, gemm=gemm)
+        want = experts_forward(sx, sw, sids, gu, dn, impl=gemm)
         assert torch.equal(out, want)
 
 
@@ -141,7 +202,15 @@ def decode(runner: ModelRunner, prompts: list[list[int]], steps: int):
     return tokens, logits
 
 
-@pytest.mark.parametrize(("gemm", "dtype"), [("grouped_mm", "bfloat16"), ("triton", "float32")])
+@pytest.mark.parametrize(
+    ("gemm", "dtype"),
+    [
+        ("grouped_mm", "bfloat16"),
+        ("triton", "float32"),
+        ("decode", "bfloat16"),
+        ("auto", "bfloat16"),
+    ],
+)
 def test_moe_decode_step_replays_from_a_cuda_graph(gemm: str, dtype: str) -> None:
     needs(gemm)
     loaded = tiny_moe(getattr(torch, dtype))

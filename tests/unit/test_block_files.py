@@ -256,3 +256,16 @@ def test_every_flipped_byte_of_a_block_file_is_caught(tmp_path: Path) -> None:
         with pytest.raises(SnapshotError):
             decode_block(io.BytesIO(bytes(bad)), FP, KEYS[1], "acme", 1, ids)
     assert len(decode_block(io.BytesIO(data), FP, KEYS[1], "acme", 1, ids)) == FP.num_layers
+
+
+def test_a_tokens_only_read_reads_no_block_file(tmp_path: Path) -> None:
+    """kv=False (a session to recompute, kv/cost.py): tokens and text, no block file opened."""
+    a = session("a", [1, 2])
+    errors: list[str] = []
+    with DiskTier(tmp_path, 1 << 20, FP, on_error=errors.append) as d:
+        d.write(a)
+        flip_payload(tmp_path / f"{KEYS[0]}{BLOCK_SUFFIX}")
+        got = d.read("acme", "a", kv=False)
+        assert got is not None and (got.token_ids, got.text, got.kv) == (a.token_ids, a.text, [])
+        assert errors == [] and len(blocks(tmp_path)) == 3
+        assert d.read("acme", "a") is None and errors == ["checksum"]  # a full read checks

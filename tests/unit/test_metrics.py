@@ -11,6 +11,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ds4pool.engine import Engine, EngineConfig
+from ds4pool.kv.cost import CostPriors
 from ds4pool.kv.disk import ERROR_KINDS
 from ds4pool.metrics import (
     CONTENT_TYPE,
@@ -25,7 +26,7 @@ from ds4pool.sched.request import Event, Request
 TENANT = "acme-tenant"
 # every label a ds4pool metric may have; anything else (a session id, a tenant) is a bug
 ALLOWED_LABELS = {
-    "endpoint", "status", "priority", "tier", "from", "to", "reason", "kind",
+    "endpoint", "status", "priority", "tier", "from", "to", "reason", "kind", "choice",
     "model", "device", "dtype", "version", "le",
 }  # fmt: skip
 
@@ -156,6 +157,9 @@ def test_counters_and_histograms_follow_a_concurrent_workload(
     assert steps == engine.worker.steps == value(m, "ds4pool_step_duration_seconds_count")
     assert value(m, "ds4pool_batch_tokens_sum") == (prompt - cached) + (completion - (n + 1))
     assert value(m, "ds4pool_step_duration_seconds_sum") > 0
+    # host time around each forward: one observation per step
+    assert value(m, "ds4pool_step_host_seconds_count") == steps
+    assert 0 < value(m, "ds4pool_step_host_seconds_sum")
     # concurrent requests were batched: some step ran more than one sequence
     assert value(m, "ds4pool_batch_size_bucket", le="1.0") < steps
     assert value(m, "ds4pool_batch_size_sum") / steps > 1
@@ -219,6 +223,22 @@ def test_tier_gauges_follow_evictions_and_restores(
     assert value(m, "ds4pool_restore_duration_seconds_count", tier="disk") == 1
     assert value(m, "ds4pool_restore_duration_seconds_count", tier="ram") == 0
     assert value(m, "ds4pool_prefix_hit_tokens_total") > 0  # the restored KV was reused
+    # read back, not recomputed (kv/cost.py: the demo model reads far faster than it
+    # prefills), and the rates that decided it, measured on these very moves
+    decisions = {
+        (tier, choice): value(m, "ds4pool_restore_decisions_total", tier=tier, choice=choice)
+        for tier in ("ram", "disk")
+        for choice in ("read", "recompute")
+    }
+    assert decisions == {
+        ("disk", "read"): 1, ("disk", "recompute"): 0, ("ram", "read"): 0, ("ram", "recompute"): 0
+    }  # fmt: skip
+    render(m)
+    rates = engine.pool.cost.rates()
+    assert {"disk", "ram", "prefill"} <= rates.measured
+    disk_rate = value(m, "ds4pool_tier_read_bytes_per_second", tier="disk")
+    assert disk_rate == rates.disk_bytes_per_s != CostPriors().disk_bytes_per_s
+    assert value(m, "ds4pool_prefill_tokens_per_second") == rates.prefill_tokens_per_s > 0
 
 
 def test_corrupt_snapshot_is_counted_as_checksum_error(
@@ -270,11 +290,13 @@ def test_label_values_are_bounded(metrics: Metrics) -> None:
     sched.preempted()
     pool.session_moved("device", "gpu7", "why not")
     pool.restored("tape", 1.0)
+    pool.restore_decided("tape", "maybe")
     assert value(metrics, "ds4pool_rejected_total", reason="queue_full") == 1
     assert value(metrics, "ds4pool_rejected_total", reason="other") == 1
     assert value(metrics, "ds4pool_preemptions_total") == 1
     assert moves(metrics, "device", "other", "other") == 1
     assert value(metrics, "ds4pool_restore_duration_seconds_count", tier="other") == 1
+    assert value(metrics, "ds4pool_restore_decisions_total", tier="other", choice="other") == 1
 
     metrics.request_failed("/v1/chat/completions", 429)
     metrics.request_failed("/v1/completions", 503)

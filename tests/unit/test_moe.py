@@ -4,20 +4,26 @@ reference loop, and the registry's weight mapping (CPU; the CUDA path: tests/gpu
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ARCHITECTURES, ModelConfig, MoEConfig
 from ds4pool.model.moe import (
+    DECODE_MAX_PAIRS,
+    expert_impl,
     grouped_experts,
     looped_experts,
+)
+from ds4pool.model.registry import REGISTRY, WeightTarget, family_for
+from ds4pool.model.routers import (
     route,
     route_sigmoid_group_topk,
     route_softmax_topk,
     route_topk_softmax,
 )
-from ds4pool.model.registry import REGISTRY, WeightTarget, family_for
 
 transformers = pytest.importorskip("transformers")
 HF = "transformers.models"
@@ -231,3 +237,18 @@ def test_a_deepseek_router_holds_its_correction_bias_as_a_checkpoint_tensor() ->
     plain = SparseMoeBlock(MoEConfig(8, 2, 16, "softmax_topk", (0,)), 32)
     assert plain.gate.e_score_correction_bias is None
     assert "gate.e_score_correction_bias" not in set(checkpoint_tensors(plain))
+
+
+def test_auto_takes_the_decode_kernels_for_small_cuda_steps_only() -> None:
+    """The pick is by the step's (token, expert) pairs, on the host from shapes alone (a CUDA
+    graph bucket keeps its path); float16 keeps torch's grouped_mm (bf16 only) out of it."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert expert_impl(cuda, torch.float16, "auto", pairs=8) == "decode"
+    assert expert_impl(cuda, torch.float16, "auto", pairs=DECODE_MAX_PAIRS) == "decode"
+    assert expert_impl(cuda, torch.float16, "auto", pairs=DECODE_MAX_PAIRS + 1) == "triton"
+    assert expert_impl(cuda, torch.float16, "auto", pairs=64, max_pairs=32) == "triton"
+    assert expert_impl(cuda, torch.float16, "auto") == "triton"  # no step: the large-step path
+    assert expert_impl(cpu, torch.float32, "auto", pairs=8) == "loop"
+    assert expert_impl(cpu, torch.float32, "decode", pairs=8) == "decode"  # pinned: as asked

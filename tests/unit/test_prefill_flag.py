@@ -1,4 +1,5 @@
-"""`--max-prefill-tokens` / DS4POOL_MAX_PREFILL_TOKENS as `ds4pool serve` reads them."""
+"""`--max-prefill-tokens` / DS4POOL_MAX_PREFILL_TOKENS (and the work cap and CUDA-graph flags
+next to them) as `ds4pool serve` reads them."""
 
 from __future__ import annotations
 
@@ -36,3 +37,19 @@ def test_zero_is_a_clear_error() -> None:
         serve_config(["--max-prefill-tokens", "0"])
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         EngineConfig(max_prefill_tokens=-5)
+
+
+def test_work_cap_and_graph_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MAX_PREFILL_COST", "PREFILL_COST_SCALE", "CUDA_GRAPHS", "NO_CUDA_GRAPHS"):
+        monkeypatch.delenv(f"DS4POOL_{name}", raising=False)
+    unset = serve_config([]).engine
+    assert unset.max_prefill_cost is None and unset.prefill_cost_scale is None
+    assert unset.cuda_graphs == "ahead"
+    cfg = serve_config(["--max-prefill-cost", "0", "--prefill-cost-scale", "2048"]).engine
+    assert (cfg.max_prefill_cost, cfg.prefill_cost_scale) == (0, 2048)
+    assert serve_config(["--cuda-graphs", "lazy"]).engine.cuda_graphs == "lazy"
+    assert serve_config(["--no-cuda-graphs"]).engine.cuda_graphs == "eager"
+    monkeypatch.setenv("DS4POOL_CUDA_GRAPHS", "eager")
+    assert serve_config([]).engine.cuda_graphs == "eager"
+    with pytest.raises(Ds4poolError, match="max_prefill_cost"):
+        serve_config(["--max-prefill-cost", "-3"])

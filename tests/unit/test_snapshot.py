@@ -274,3 +274,23 @@ def test_malformed_snapshot_is_refused_before_writing(mutate) -> None:
     with pytest.raises(ValueError):
         write_snapshot(sink, snap)
     assert sink.getvalue() == b""
+
+
+def test_a_tokens_only_read_skips_the_kv_and_still_checks_the_tokens() -> None:
+    """decode_snapshot(kv=False) (a session whose KV is to be recomputed, kv/cost.py): the
+    tokens and text, checksummed; the KV sections are neither read nor decoded."""
+    fp = fingerprint()
+    snap = make(fp, num_tokens=40)
+    data = bytearray(encode_snapshot(snap))
+    data[-5] ^= 0xFF  # inside the last KV section
+    short = decode_snapshot(bytes(data), fp, kv=False)
+    assert short.token_ids == snap.token_ids and short.text == snap.text and short.kv == []
+    with pytest.raises(SnapshotError) as e:
+        decode_snapshot(bytes(data), fp)
+    assert e.value.kind == "checksum"
+    (header_len,) = struct.unpack_from("<I", data, 12)
+    start = 24 + header_len  # the first byte of the tokens section
+    data[start] ^= 0xFF
+    with pytest.raises(SnapshotError) as e:
+        decode_snapshot(bytes(data), fp, kv=False)
+    assert e.value.kind == "checksum"

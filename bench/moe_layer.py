@@ -1,0 +1,100 @@
+"""One sparse MoE layer alone, each expert path, by step size: where the decode kernels stop
+winning (the `DECODE_MAX_PAIRS` crossover) and how close they read at the copy bandwidth.
+
+    python3 bench/moe_layer.py --model random:qwen3-30b-a3b --tokens 1 2 4 8 16 32 64
+
+Builds SparseMoeBlocks of the preset's shape (random N(0, 0.02) weights, bf16, on the GPU)
+and, per step size T and path (`--experts`, default decode, grouped_mm, triton), captures one
+forward of each of `--layers` such blocks (distinct weights: no expert stays in L2) in one
+CUDA graph, as a decode step replays them, and times replays with CUDA events. Prints µs per
+layer (router included), the distinct experts D(T) a layer read, and the expert bytes read
+over that time (D(T) x one expert's bytes / µs) as GB/s and as a fraction of the measured
+device copy bandwidth. The decode path's tile switch is `--decode-gemv-tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import copy_bandwidth  # noqa: E402
+from ds4pool.model.demo import preset_config  # noqa: E402
+from ds4pool.model.moe import SparseMoeBlock  # noqa: E402
+
+
+def layer_us(blocks: list[SparseMoeBlock], x: torch.Tensor, replays: int) -> float:
+    """µs per layer: one forward of each block captured in one graph, timed over `replays`
+    (distinct blocks, so the L2 cache holds no expert of the next one)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for b in blocks:  # compile and warm up outside the capture
+            b(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        for b in blocks:  # the same input to each: its routing is of a real-scale token
+            b(x)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(blocks))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="random:qwen3-30b-a3b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--experts", nargs="+", default=["decode", "grouped_mm", "triton"])
+    ap.add_argument("--decode-gemv-tokens", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=8, help="blocks (1.2 GB each for the preset)")
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    cfg = preset_config(args.model.removeprefix("random:"))
+    moe = cfg.moe
+    if moe is None:
+        raise SystemExit(f"{args.model} is not a mixture-of-experts model")
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks = [SparseMoeBlock(moe, cfg.hidden_size).to(device, dtype) for _ in range(args.layers)]
+    with torch.no_grad():
+        for b in blocks:
+            b.decode_gemv_tokens = args.decode_gemv_tokens
+            for p in b.parameters():
+                p.normal_(0.0, 0.02, generator=gen)
+    expert_bytes = moe.expert_bytes(cfg.hidden_size, dtype.itemsize)
+    bandwidth = copy_bandwidth(device)
+    print(
+        f"# {args.model}: one layer of {moe.num_experts} experts x {expert_bytes / 1e6:.2f} MB, "
+        f"top-{moe.top_k}, hidden {cfg.hidden_size}; {torch.cuda.get_device_name(device)}, "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.layers} layers a graph"
+    )
+    print("| T | path | µs / layer | experts read | expert GB/s | % of copy bandwidth |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for t in args.tokens:
+        x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+        with torch.no_grad():  # mean distinct experts a layer reads at this T
+            distinct = sum(int(torch.unique(b.gate(x)[1]).numel()) for b in blocks) / len(blocks)
+        for impl in args.experts:
+            for b in blocks:
+                b.impl = impl
+            us = layer_us(blocks, x, args.replays)
+            rate = distinct * expert_bytes / (us * 1e-6)
+            print(
+                f"| {t} | {impl} | {us:.1f} | {distinct:.1f} | {rate / 1e9:.0f} "
+                f"| {100 * rate / bandwidth:.0f}% |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""How many prompt tokens a step may take next to decoders: a cap by work, not only tokens.
+
+A prompt chunk's cost grows with its context: every chunk token runs the layer's GEMMs
+(the same work at any position) and attends to all the keys before it (work that grows with
+the position). In token-equivalents (one unit = one token's GEMMs), token p costs
+
+    1 + (p + 1) / K        K = context_scale: keys whose attention costs one token's GEMMs
+
+so a chunk of n tokens after `start` cached ones costs
+
+    n + (n * start + n * (n + 1) / 2) / K
+
+While other sequences decode, a step's prompt chunks share `budget` token-equivalents (on
+top of `max_prefill_tokens`, which stays the token bound): a decoder's inter-token latency is
+the step's length, and a 512-token chunk at a 16k context costs ~5x what it costs at 2k
+(docs/BENCHMARKS.md, "Chunked prefill next to decoders"). A chunk is rounded down to one of
+`chunk_sizes` (the runner's CUDA-graph chunk buckets) unless it is the prompt's last: a chunk
+between two buckets would be padded up to the larger one and cost it (only a step's first
+chunk: a step with several runs eagerly, unpadded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Defaults per device type: (context_scale K, budget). CUDA: fitted to the H200 profile of
+# random:llama3-8b bf16 next to 8 decoders (a ~6 ms decode step; a 256 chunk 11.8 ms at a 2k
+# context, 19.1 ms at 16k; a 512 chunk ~16 ms at 2k, ~28 ms at 16k): 512-token chunks up to a
+# 2.8k context, 256 up to 10k, 128 up to 24k, so a mixed step stays within ~2.5-3x a decode
+# step and the agents workload (2-3k contexts) keeps its 512-token chunks. CPU: the demo model
+# on 2 cores (bench/prefill_cap.py, docs/BENCHMARKS.md: a 256-token chunk's CPU time grows
+# 1.8x from a 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); the budget keeps the
+# 64-token cap up to a ~2.9k context. MPS: not measured, the CPU's scaled to its 128 cap.
+DEFAULTS: dict[str, tuple[int, int]] = {
+    "cuda": (4096, 896),
+    "cpu": (4096, 112),
+    "mps": (4096, 224),
+}
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    context_scale: int  # K: keys per chunk token that cost as much as its GEMMs
+    budget: int  # token-equivalents of prompt work per step while others decode
+    chunk_sizes: tuple[int, ...] = ()  # sizes that run unpadded, ascending; () = any
+    min_chunk: int = 16  # a step's first chunk takes at least this much (progress)
+
+    def __post_init__(self) -> None:
+        if self.context_scale < 1 or self.budget < 1:
+            raise ValueError("prefill cost scale and budget must be >= 1")
+        assert list(self.chunk_sizes) == sorted(self.chunk_sizes), self.chunk_sizes
+
+    def cost(self, start: int, n: int) -> float:
+        """Token-equivalents of tokens [start, start + n) of a prompt."""
+        return n + (n * start + n * (n + 1) / 2) / self.context_scale
+
+    def fit(self, start: int, work: float) -> int:
+        """The most tokens after `start` whose cost is <= work (solves the quadratic)."""
+        if work <= 0:
+            return 0
+        k = self.context_scale
+        b = 1 + (start + 0.5) / k  # cost(n) = n * b + n^2 / (2K)
+        n = int(k * (math.sqrt(b * b + 2 * work / k) - b))
+        while n > 0 and self.cost(start, n) > work:  # float rounding at the boundary
+            n -= 1
+        return n
+
+    def chunk(self, start: int, pending: int, work: float, first: bool) -> int:
+        """Prompt tokens to take after `start` (of `pending`, already within the token
+        budgets) with `work` token-equivalents left. `first`: no other chunk in the step yet;
+        it is rounded down to a chunk size and takes at least min_chunk (the smallest size)
+        so that a prompt at a huge context still advances. A later chunk takes what fits, as
+        it is: a step of several chunks runs eagerly, unpadded."""
+        n = self.fit(start, work)
+        if n >= pending:
+            return pending
+        if not first:
+            return n
+        sizes = [s for s in self.chunk_sizes if s <= n]
+        if sizes:
+            n = sizes[-1]
+        floor = min(pending, max(self.min_chunk, self.chunk_sizes[0] if self.chunk_sizes else 0))
+        return max(n, floor)

@@ -1,0 +1,93 @@
+"""The per-step prefill cap by work: which chunk a prompt gets next to decoders."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4pool.sched.prefill_cost import DEFAULTS, PrefillCost
+
+BUCKETS = (32, 64, 128, 256, 512)  # the runner's graph chunk buckets for a 512 cap
+
+
+def cuda_cost() -> PrefillCost:
+    scale, budget = DEFAULTS["cuda"]
+    return PrefillCost(scale, budget, BUCKETS)
+
+
+def brute_cost(start: int, n: int, k: int) -> float:
+    # token p attends p + 1 keys: 1 for its GEMMs + (p + 1) / K for its attention
+    return sum(1 + (p + 1) / k for p in range(start, start + n))
+
+
+def test_cost_is_tokens_weighted_by_their_context() -> None:
+    c = PrefillCost(4096, 896)
+    for start, n in ((0, 1), (0, 512), (2048, 300), (16384, 128)):
+        assert c.cost(start, n) == pytest.approx(brute_cost(start, n, 4096))
+    # the same 512 tokens cost ~4.8x more at a 16k context than at the start of a prompt
+    assert 4.7 < c.cost(16384, 512) / c.cost(0, 512) < 4.8
+
+
+@pytest.mark.parametrize("start", [0, 100, 2048, 9000, 16384, 100_000])
+@pytest.mark.parametrize("work", [1, 50, 896, 5000])
+def test_fit_is_the_longest_chunk_within_the_work(start: int, work: int) -> None:
+    c = PrefillCost(4096, 896)
+    n = c.fit(start, work)
+    assert c.cost(start, n) <= work
+    assert c.cost(start, n + 1) > work
+
+
+def test_default_cuda_chunks_at_2k_and_16k_contexts() -> None:
+    c = cuda_cost()
+    budget = c.budget
+    # the agents workload's contexts keep the full 512-token chunks (the token cap binds)
+    assert c.chunk(0, 512, budget, first=True) == 512
+    assert c.chunk(2048, 512, budget, first=True) == 512
+    # a 16k context gets a quarter of that: a 512 chunk there costs ~4.5x a 512 at 2k
+    assert c.chunk(16384, 512, budget, first=True) == 128
+    assert c.chunk(8192, 512, budget, first=True) == 256
+    # chunks land on graph buckets (a 300-token chunk would be padded to 512 and cost it)
+    for start in range(0, 40_000, 997):
+        n = c.chunk(start, 512, budget, first=True)
+        assert n in BUCKETS
+        assert c.cost(start, n) <= budget or n == BUCKETS[0]
+
+
+def test_a_prompts_last_chunk_is_not_rounded_down() -> None:
+    c = cuda_cost()
+    assert c.chunk(2048, 77, c.budget, first=True) == 77
+    assert c.chunk(16384, 100, c.budget, first=True) == 100  # fits the work as it is
+
+
+def test_a_huge_context_still_advances_but_a_second_chunk_waits() -> None:
+    c = cuda_cost()
+    assert c.cost(1_000_000, 32) > c.budget
+    assert c.chunk(1_000_000, 512, c.budget, first=True) == 32  # the smallest bucket
+    left = c.budget - c.cost(1_000_000, 32)  # the first chunk overran the budget
+    assert c.chunk(1_000_000, 512, left, first=False) == 0
+
+
+def test_a_later_chunk_in_the_step_takes_what_fits_unrounded() -> None:
+    # a step with two chunks runs eagerly: no graph bucket to pad to
+    c = cuda_cost()
+    left = c.budget - c.cost(3000, 294)  # a resumed turn's tool result took its share
+    n = c.chunk(3100, 218, left, first=False)
+    assert n == c.fit(3100, left) and n not in BUCKETS and 0 < n < 218
+    # without graph buckets the floor is min_chunk (and never more than what is pending)
+    plain = PrefillCost(4096, 112)
+    assert plain.chunk(1_000_000, 64, 112, first=True) == 16
+    assert plain.chunk(1_000_000, 9, 112, first=True) == 9
+
+
+def test_cpu_default_keeps_the_token_cap_at_agent_contexts_and_shrinks_beyond() -> None:
+    scale, budget = DEFAULTS["cpu"]
+    c = PrefillCost(scale, budget)
+    assert c.chunk(2800, 64, budget, first=True) == 64
+    n8k = c.chunk(8192, 64, budget, first=True)
+    assert 16 < n8k < 64 and c.cost(8192, n8k) <= budget < c.cost(8192, n8k + 1)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        PrefillCost(0, 896)
+    with pytest.raises(ValueError, match=">= 1"):
+        PrefillCost(4096, 0)

@@ -1,0 +1,158 @@
+"""The small-batch MoE decode kernels (model/kernels/triton_moe_decode.py) under Triton's CPU
+interpreter: the fused router against the torch routers, the expert groups, and whole sparse
+blocks on the decode path against the per-expert reference loop for the Qwen3-MoE, Mixtral
+and DeepSeek-V3 routers.
+
+As in test_triton_moe.py, TRITON_INTERPRET=1 must be set before the kernels are decorated:
+the cases run in one child interpreter (this file as a script) that prints a JSON line each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# router case → (router, norm_topk_prob, tokens, experts, top-k, groups, groups kept):
+# non-power-of-two experts and tokens, one token, 16 tokens, DeepSeek-V3's group limit
+ROUTER_CASES: dict[str, tuple[str, bool, int, int, int, int, int]] = {
+    "qwen3_norm_one_token": ("softmax_topk", True, 1, 60, 4, 1, 1),
+    "qwen3_plain_ragged": ("softmax_topk", False, 5, 24, 3, 1, 1),
+    "mixtral_16_tokens": ("topk_softmax", False, 16, 8, 2, 1, 1),
+    "deepseek_v3_groups": ("sigmoid_group_topk", True, 7, 32, 4, 8, 3),
+    "deepseek_v3_one_group": ("sigmoid_group_topk", False, 3, 20, 6, 1, 1),
+    "deepseek_v3_singleton_groups": ("sigmoid_group_topk", True, 2, 8, 2, 8, 4),
+}
+# block case → (router, tokens, dtype, GEMV up to this many tokens; None: the default):
+# the whole SparseMoeBlock on the decode path vs the loop, both kinds of expert tiles
+BLOCK_CASES: dict[str, tuple[str, int, str, int | None]] = {
+    "qwen3_moe_t1_gemv": ("softmax_topk", 1, "float32", None),
+    "qwen3_moe_t1_dot": ("softmax_topk", 1, "float32", 0),
+    "qwen3_moe_t5_gemv": ("softmax_topk", 5, "float32", 8),
+    "qwen3_moe_t7_dot": ("softmax_topk", 7, "float32", None),
+    "qwen3_moe_t20_dot": ("softmax_topk", 20, "float32", None),
+    "qwen3_moe_fp16": ("softmax_topk", 6, "float16", None),
+    "mixtral_t3": ("topk_softmax", 3, "float32", None),
+    "deepseek_v3_t5": ("sigmoid_group_topk", 5, "float32", None),
+    "deepseek_v3_t1": ("sigmoid_group_topk", 1, "float32", None),
+}
+
+
+def _router_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_route import expert_groups, route_fused
+    from ds4pool.model.routers import route
+
+    router, norm, t, e, k, n_group, topk_group = ROUTER_CASES[name]
+    moe = MoEConfig(e, k, 16, router, (0,), norm, n_group, topk_group, 2.5)
+    gen = torch.Generator().manual_seed(len(name))
+    logits = torch.randn(t, e, generator=gen)
+    bias = torch.rand(e, generator=gen) * 0.2 if router == "sigmoid_group_topk" else None
+    w, ids, groups = route_fused(moe, logits, bias)
+    want_w, want_ids = route(moe, logits, bias)
+    if router == "sigmoid_group_topk":  # the reference's top-k is unsorted: compare as sets
+        order, want_order = ids.argsort(dim=1), want_ids.argsort(dim=1)
+        w, ids = w.gather(1, order), ids.gather(1, order)
+        want_w, want_ids = want_w.gather(1, want_order), want_ids.gather(1, want_order)
+    distinct = sorted(set(want_ids.flatten().tolist()))
+    want_groups = distinct + [-1] * (min(e, t * k) - len(distinct))
+    return {
+        "name": name,
+        "ids_equal": torch.equal(ids, want_ids) and ids.dtype == torch.int64,
+        "weights_err": float((w - want_w).abs().max()),
+        "groups": groups.tolist(),
+        "want_groups": want_groups,
+        "groups_from_ids": expert_groups(want_ids, e).tolist(),
+    }
+
+
+def _block_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.moe import SparseMoeBlock
+
+    router, t, dtype, gemv_tokens = BLOCK_CASES[name]
+    hidden = 48
+    if router == "sigmoid_group_topk":  # groups of 4, 2 kept, 2 shared experts, scaled
+        moe = MoEConfig(16, 4, 40, router, (0,), True, 4, 2, 2.5, num_shared_experts=2)
+    else:
+        moe = MoEConfig(12, 3, 40, router, (0,), norm_topk_prob=True)
+    block = SparseMoeBlock(moe, hidden)
+    block.decode_gemv_tokens = gemv_tokens
+    gen = torch.Generator().manual_seed(len(name))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+        if block.gate.e_score_correction_bias is not None:
+            block.gate.e_score_correction_bias.copy_(torch.rand(16, generator=gen) * 0.1)
+    x = torch.randn(t, hidden, generator=gen)
+    with torch.no_grad():
+        block.impl = "loop"
+        truth = block.double()(x.double())
+        block.impl = "decode"
+        got = block.to(getattr(torch, dtype))(x.to(getattr(torch, dtype))).double()
+    return {
+        "name": name,
+        "rel": float((got - truth).abs().max() / truth.abs().max()),
+        "tolerance": 1e-5 if dtype == "float32" else 3e-3,
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    return {r["name"]: r for r in lines}
+
+
+@pytest.mark.parametrize("name", list(ROUTER_CASES))
+def test_fused_router_matches_the_torch_router(results: dict[str, dict], name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["ids_equal"], "the fused router chose other experts (or another order)"
+    assert r["weights_err"] < 1e-6, r
+    assert r["groups"] == r["want_groups"], "groups must list the distinct experts, then -1"
+    assert r["groups_from_ids"] == r["want_groups"]
+
+
+@pytest.mark.parametrize("name", list(BLOCK_CASES))
+def test_decode_path_block_matches_the_reference_loop(results: dict[str, dict], name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["rel"] < r["tolerance"], r
+
+
+def main() -> None:
+    import traceback
+
+    import torch
+
+    torch.set_num_threads(1)
+    for cases, run in ((ROUTER_CASES, _router_case), (BLOCK_CASES, _block_case)):
+        for name in cases:
+            try:
+                print(json.dumps(run(name)), flush=True)
+            except Exception:  # report the case, keep checking the others
+                print(json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
