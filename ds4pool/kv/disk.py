@@ -1,9 +1,14 @@
-"""Disk tier: one snapshot file per session, an in-memory index, an LRU byte budget.
+"""Disk tier: one snapshot file per session, shared block files, an in-memory index, an LRU
+byte budget.
 
 Invariants:
 - The index holds exactly the snapshots whose header validated and whose fingerprint is this
-  model's; `used_bytes` is the sum of their file sizes and never exceeds `budget_bytes` after
-  a call returns (a temp file being written is not counted).
+  model's, and whose shared block files (kv/blockstore.py) are indexed too; `used_bytes` is
+  the sum of their file sizes plus each block file once, and never exceeds `budget_bytes`
+  after a call returns (a temp file being written is not counted).
+- A block file stays while a session file lists it; the last one to go takes it along. A
+  block file that fails validation is quarantined and every session file listing it is
+  deleted (those sessions recompute): nothing is loaded from a block that did not verify.
 - A file in the directory is either absent, a complete older snapshot, or a complete newer
   one: writes go to a temp file that is fsynced and then renamed over the old one.
 - Anything that fails validation is moved to `quarantine/` with a `.reason` file, reported
@@ -26,12 +31,13 @@ import os
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ds4pool.kv.blockstore import BLOCK_SUFFIX, BlockFileError, BlockFiles
 from ds4pool.kv.snapshot import (
     DEFAULT_SHUFFLE,
     ModelFingerprint,
@@ -77,6 +83,7 @@ class DiskEntry:
     num_tokens: int
     num_kv_tokens: int  # tokens with KV in the file (<= num_tokens)
     last_used: float  # unix time of the last write() or read()
+    blocks: tuple[str, ...] = ()  # hex keys of the shared block files it relies on
 
 
 def session_file_name(tenant: str, session_id: str) -> str:
@@ -120,8 +127,9 @@ class DiskTier:
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._index: OrderedDict[SessionKey, DiskEntry] = OrderedDict()  # LRU first
-        self._used_bytes = 0
+        self._used_bytes = 0  # session files; the block files' bytes are self._blocks'
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._blocks = BlockFiles(self.directory, fingerprint, shuffle, self._quarantine)
         self._lock_fd = self._lock_directory()
         self._rebuild_index()
 
@@ -133,8 +141,25 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
+        """Session files plus every block file once."""
         with self._lock:
-            return self._used_bytes
+            return self._total_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """The shared block files' part of used_bytes."""
+        with self._lock:
+            return self._blocks.used_bytes
+
+    @property
+    def _total_bytes(self) -> int:  # lock held
+        return self._used_bytes + self._blocks.used_bytes
+
+    def has_block(self, key: str) -> bool:
+        """True when block file `key` (hex chain key) is indexed: a snapshot listing it in
+        its `shared` keys costs no block write."""
+        with self._lock:
+            return key in self._blocks.entries
 
     def path_for(self, tenant: str, session_id: str) -> Path:
         path = self.directory / session_file_name(tenant, session_id)
@@ -168,21 +193,50 @@ class DiskTier:
         h = snapshot.header
         if h.fingerprint != self.fingerprint:
             raise ValueError(f"snapshot fingerprint {h.fingerprint} is not this tier's")
+        with self._lock:
+            self._blocks.hold(h.shared)  # no eviction may take them until the rename below
+        try:
+            return self._write_held(snapshot)
+        finally:
+            with self._lock:
+                self._blocks.unhold(h.shared)
+                self._blocks.collect(h.shared)
+
+    def _write_held(self, snapshot: Snapshot) -> int:
+        """write(), its shared blocks held: block files first (those not on disk yet), then
+        the session file that lists them, so a crash in between leaves only orphan block
+        files (deleted at the next start), never a session without its blocks."""
+        h = snapshot.header
         key, path, now = snapshot.key, self.path_for(*snapshot.key), time.time()
+        self._write_blocks(snapshot)
         tmp, written = self._write_temp(snapshot, now)
-        if written.file_bytes > self._budget_bytes:
+        with self._lock:
+            blocks = [self._blocks.entries.get(k) for k in dict.fromkeys(h.shared)]
+            need = written.file_bytes + sum(b.num_bytes for b in blocks if b is not None)
+        if need > self._budget_bytes:
             _unlink_quietly(tmp)
             self.delete(*key)
             self._report("too_large")
             raise SnapshotTooLargeError(
-                f"snapshot of {written.file_bytes} bytes exceeds the "
+                f"snapshot of {need} bytes (its shared blocks included) exceeds the "
                 f"disk budget of {self._budget_bytes}"
             )
         try:
             with self._lock:
-                os.replace(tmp, path)  # the only call here that can raise (_drop never does)
+                if any(k not in self._blocks.entries for k in h.shared):
+                    # a read quarantined one meanwhile: never list a missing block file
+                    raise OSError(errno.EIO, "a shared block file was quarantined")
+                os.replace(tmp, path)  # the only other call here that can raise
                 self._put(
-                    DiskEntry(*key, path, written.file_bytes, h.num_tokens, h.num_kv_tokens, now)
+                    DiskEntry(
+                        *key,
+                        path,
+                        written.file_bytes,
+                        h.num_tokens,
+                        h.num_kv_tokens,
+                        now,
+                        h.shared,
+                    )
                 )
                 evicted = self._evict_to_budget(keep=key)
         except OSError as e:
@@ -195,9 +249,30 @@ class DiskTier:
             self._call(self._on_evict, entry)
         return written.file_bytes
 
+    def _write_blocks(self, snapshot: Snapshot) -> None:
+        """Write the snapshot's shared blocks that have no file yet (held by the caller)."""
+        h, wrote = snapshot.header, False
+        for i, k in enumerate(h.shared):
+            with self._lock:
+                if k in self._blocks.entries:
+                    continue
+            try:
+                tmp, num_bytes = self._blocks.write_temp(snapshot.block(i))
+                with self._lock:
+                    self._blocks.install(k, h.tenant, tmp, num_bytes)
+                wrote = True
+            except OSError as e:
+                log.error("disk tier: writing block %s of %s: %s", k, snapshot.key, e)
+                self._report("write")
+                raise DiskWriteError(e.errno or errno.EIO, f"writing a block file: {e}") from e
+        if wrote:
+            self._fsync_directory()  # the block renames are durable before the session's
+
     def read(self, tenant: str, session_id: str, *, kv: bool = True) -> Snapshot | None:
-        """The validated snapshot, or None if absent or invalid (then quarantined, reported).
-        kv=False: its tokens and text only (decode_snapshot's kv=False)."""
+        """The validated snapshot (its shared blocks read from their block files), or None if
+        absent or invalid (then quarantined, reported). A bad block file is quarantined and
+        every session file relying on it is deleted: on_evict is called for those others.
+        kv=False: its tokens and text only (decode_snapshot's kv=False: no block file read)."""
         key = (tenant, session_id)
         with self._lock:
             entry = self._index.get(key)
@@ -215,9 +290,12 @@ class DiskTier:
             return None
         with f:
             try:
-                snap = decode_snapshot(f, self.fingerprint, kv=kv)
+                snap = decode_snapshot(f, self.fingerprint, self._read_block, kv=kv)
                 if snap.key != key:
                     raise SnapshotError("format", f"file holds {snap.key}, expected {key}")
+            except BlockFileError as e:
+                self._lost_block(e, key)
+                return None
             except SnapshotError as e:
                 self._quarantine_if_current(key, os.fstat(f.fileno()), e)
                 self._report(e.kind)
@@ -228,6 +306,64 @@ class DiskTier:
                 return None
         self._touch(key)
         return snap
+
+    def _read_block(self, key: str, tenant: str, position: int, ids: list[int]) -> list[Any]:
+        """decode_snapshot's BlockReader: one shared block, fully verified, or BlockFileError
+        (quarantined now, when its file failed; `quarantined` False when it was gone)."""
+        with self._lock:
+            hit = self._blocks.cached(key, tenant, position, ids)
+            opened = None if hit is not None else self._blocks.open(key)
+        if hit is not None:
+            return hit  # verified when read; _with_blocks copies it, never hands it out
+        if opened is None:
+            raise BlockFileError("format", f"block file {key} is missing", key)
+        entry, f = opened
+        with f:
+            try:
+                if entry.tenant != tenant:
+                    raise SnapshotError("format", f"block {key} belongs to another tenant")
+                kv = self._blocks.decode(f, key, tenant, position, ids)
+            except SnapshotError as e:
+                with self._lock:
+                    done = self._blocks.quarantine_if_current(key, os.fstat(f.fileno()), e)
+                raise BlockFileError(e.kind, str(e), key, quarantined=done) from e
+        with self._lock:
+            self._blocks.remember(key, tenant, position, ids, kv)
+        return kv
+
+    def _lost_block(self, error: BlockFileError, reading: SessionKey) -> None:
+        """Every session file listing a block that failed (or is gone) goes: nothing of it can
+        be loaded. The one being read is reported by read() returning None, the others
+        through on_evict (the pool forgets them; their next request recomputes)."""
+        if error.quarantined:
+            self._report(error.kind)
+        with self._lock:
+            dropped = [e for k, e in list(self._index.items()) if error.key in e.blocks]
+            for e in dropped:
+                self._drop((e.tenant, e.session_id))
+        log.warning(
+            "disk tier: block %s failed (%s): %d session file(s) relying on it deleted",
+            error.key,
+            error,
+            len(dropped),
+        )
+        for e in dropped:
+            if (e.tenant, e.session_id) != reading:
+                self._call(self._on_evict, e)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the index, the block files' reference counts and the byte
+        counts disagree (a block file's count == the indexed session files listing it)."""
+        with self._lock:
+            refs: Counter[str] = Counter(k for e in self._index.values() for k in e.blocks)
+            blocks = self._blocks
+            assert +blocks.refs == refs, "block file reference counts are off"
+            for k in refs:
+                assert k in blocks.entries, f"a session file lists block {k}, not indexed"
+            assert self._used_bytes == sum(e.num_bytes for e in self._index.values())
+            assert blocks.used_bytes == sum(e.num_bytes for e in blocks.entries.values())
+            unlisted = [k for k in blocks.entries if not refs[k] and not blocks.pending[k]]
+            assert not unlisted, f"block files no session lists: {unlisted}"
 
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
@@ -285,6 +421,10 @@ class DiskTier:
         key = (entry.tenant, entry.session_id)
         old = self._index.pop(key, None)
         self._used_bytes += entry.num_bytes - (old.num_bytes if old else 0)
+        self._blocks.ref(entry.blocks)
+        if old is not None:
+            self._blocks.unref(old.blocks)
+            self._blocks.collect(old.blocks)  # those the new snapshot no longer lists
         self._index[key] = entry  # most recently used: the end
 
     def _drop(self, key: SessionKey) -> DiskEntry | None:
@@ -292,13 +432,21 @@ class DiskTier:
         if entry is not None:
             self._used_bytes -= entry.num_bytes
             _unlink_quietly(entry.path)
+            self._blocks.unref(entry.blocks)
+            self._blocks.collect(entry.blocks)
         return entry
 
     def _evict_to_budget(self, keep: SessionKey | None) -> list[DiskEntry]:
         evicted = []
         victims = (k for k in list(self._index) if k != keep)
-        while self._used_bytes > self._budget_bytes:
-            entry = self._drop(next(victims))  # `keep` alone fits: victims never run out
+        while self._total_bytes > self._budget_bytes:
+            # `keep` with its blocks alone fits (write() checked); only block files another
+            # write is still filling (held, listed by no session yet) can outlast the
+            # victims, and that write evicts for them when it lands
+            victim = next(victims, None)
+            if victim is None:
+                break
+            entry = self._drop(victim)
             assert entry is not None
             evicted.append(entry)
         return evicted
@@ -309,7 +457,8 @@ class DiskTier:
             entry = self._index.get(key)
             if entry is None:
                 return  # deleted or evicted meanwhile
-            self._put(replace(entry, last_used=now))
+            self._index.move_to_end(key)  # its blocks' references stay as they are
+            self._index[key] = replace(entry, last_used=now)
         try:
             os.utime(entry.path, (now, now))  # persist the LRU position for the next start
         except OSError:
@@ -328,6 +477,8 @@ class DiskTier:
             if entry and st and (st.st_ino, st.st_dev) == (opened.st_ino, opened.st_dev):
                 self._index.pop(key)
                 self._used_bytes -= entry.num_bytes
+                self._blocks.unref(entry.blocks)
+                self._blocks.collect(entry.blocks)
                 self._quarantine(entry.path, error)
 
     def _quarantine(self, path: Path, error: SnapshotError) -> None:
@@ -355,7 +506,9 @@ class DiskTier:
         return fd
 
     def _rebuild_index(self) -> None:
-        """Index every valid *.snap by its header alone; delete temp files left by a crash."""
+        """Index every valid *.snap and *.blk by its header alone; delete temp files left by a
+        crash, session files whose block files are gone or bad, and block files no session
+        file lists (a crash between a block write and its session's rename)."""
         found: list[DiskEntry] = []
         errors: list[str] = []
         for item in os.scandir(self.directory):
@@ -365,23 +518,36 @@ class DiskTier:
             if item.name.endswith(TMP_SUFFIX):
                 log.info("disk tier: removing leftover temp file %s", item.name)
                 _unlink_quietly(path)
-            elif item.name.endswith(SNAP_SUFFIX):
+            elif item.name.endswith((SNAP_SUFFIX, BLOCK_SUFFIX)):
                 try:
-                    found.append(self._index_entry(path))
+                    if item.name.endswith(SNAP_SUFFIX):
+                        found.append(self._index_entry(path))
+                    else:
+                        self._blocks.index_file(path)
                 except SnapshotError as e:
                     self._quarantine(path, e)
                     errors.append(e.kind)
                 except OSError as e:
                     log.error("disk tier: cannot read %s: %s", item.name, e)
                     errors.append("io")
+        blocks = self._blocks.entries
         for entry in sorted(found, key=lambda e: (e.last_used, e.path.name)):
-            self._put(entry)
+            if all(k in blocks and blocks[k].tenant == entry.tenant for k in entry.blocks):
+                self._put(entry)
+            else:
+                log.warning("disk tier: %s lacks a block file; deleted", entry.path.name)
+                _unlink_quietly(entry.path)
+        orphans = [k for k in blocks if not self._blocks.refs[k]]
+        if orphans:
+            log.info("disk tier: removing %d block files no session lists", len(orphans))
+        self._blocks.collect(orphans)
         for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
             log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
         log.info(
-            "disk tier: %d snapshots, %d bytes in %s",
+            "disk tier: %d snapshots, %d block files, %d bytes in %s",
             len(self._index),
-            self._used_bytes,
+            len(self._blocks.entries),
+            self._total_bytes,
             self.directory,
         )
         for kind in errors:
@@ -398,7 +564,14 @@ class DiskTier:
             kind = "truncated" if st.st_size < h.file_bytes else "format"
             raise SnapshotError(kind, f"file has {st.st_size} bytes, header says {h.file_bytes}")
         return DiskEntry(
-            h.tenant, h.session_id, path, st.st_size, h.num_tokens, h.num_kv_tokens, st.st_mtime
+            h.tenant,
+            h.session_id,
+            path,
+            st.st_size,
+            h.num_tokens,
+            h.num_kv_tokens,
+            st.st_mtime,
+            h.shared,
         )
 
     def _report(self, kind: str) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.admin import SessionAdmin
 from ds4pool.kv.blocks import BlockPool, BlockTable
+from ds4pool.kv.blockstore import index_secret
 from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
 from ds4pool.kv.cost import RestoreCost, RestorePolicy
 from ds4pool.kv.index import BlockIndex
@@ -62,9 +63,13 @@ class SessionPool:
         self.fingerprint = fingerprint
         self.observer = observer or PoolObserver()
         # block tables allocate through the index: it keeps full blocks nobody holds cached
-        # (kv/index.py) and evicts them when the device needs room
+        # (kv/index.py) and evicts them when the device needs room. With a disk tier its salt
+        # secret lives there: block files are named by chain key, stable across restarts.
         self.blocks = BlockIndex(
-            BlockPool(cfg.num_device_blocks), cfg.block_size, on_evict=self.observer.blocks_evicted
+            BlockPool(cfg.num_device_blocks),
+            cfg.block_size,
+            secret=index_secret(cfg.disk_dir) if cfg.disk_dir is not None else None,
+            on_evict=self.observer.blocks_evicted,
         )
         self.sharing = PrefixSharing(self.blocks, kv, cfg.block_size, self.observer)
         self.kv_bytes_per_token = kv.layout.bytes_per_token
@@ -502,3 +507,4 @@ class SessionPool:
             assert self.tiers.ram.used_bytes <= max(self.tiers.ram.budget_bytes, 1)
             if self.tiers.disk:
                 assert self.tiers.disk.used_bytes <= self.tiers.disk.budget_bytes
+                self.tiers.disk.check_integrity()  # block files' reference counts

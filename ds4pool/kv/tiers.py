@@ -19,6 +19,10 @@ The one KV copy of a session moves, never two live:
 - Disk over budget → the LRU snapshot file is deleted; a session living only there is gone.
 - A DISK-tier session keeps only its index entry in memory; its tokens and text are read
   back with its KV (`load`).
+- A snapshot puts the session's leading blocks that others share (held by another session
+  on the device, or already in a block file) in block files written once for all of them
+  (`snapshot`, kv/blockstore.py); a restore still copies to the device only what the block
+  index does not hold (`share_for_restore`, then `copy_in` from there).
 
 Which session moves, and when, is the pool's decision (`pool.py`); block ids come from the
 pool's `BlockIndex`; a demotion lets go of the session's blocks, and those others hold or
@@ -394,6 +398,9 @@ class Tiers:
     # ------------------------------------------------------------ snapshots
 
     def snapshot(self, s: Session, host: torch.Tensor) -> Snapshot:
+        """The session's snapshot; its leading blocks that other sessions share go to block
+        files (written once for all of them), the rest into its own file."""
+        n = host.shape[2]
         return Snapshot.create(
             s.tenant,
             s.session_id,
@@ -401,7 +408,33 @@ class Tiers:
             s.token_ids,
             s.text,
             [host[layer] for layer in range(host.shape[0])],
+            shared=self._shared_keys(s, n),
+            block_size=self.cfg.block_size,
         )
+
+    def _shared_keys(self, s: Session, num_kv_tokens: int) -> list[str]:
+        """Hex chain keys of the leading full blocks of s's first num_kv_tokens that are
+        shared: some other session holds the block on the device, or a block file for it is
+        already on disk. Stops at the first private block (sharing is by prefix)."""
+        if self.disk is None or not s.loaded:
+            return []
+        bs = self.cfg.block_size
+        n = min(num_kv_tokens, len(s.token_ids)) // bs
+        own = set(s.block_table.blocks) if s.block_table is not None else set()
+        keys = list(s.block_keys[:n])
+        out: list[str] = []
+        while len(out) < n:
+            if len(out) == len(keys):  # hash on only as far as the blocks stay shared
+                more = min(n, len(keys) + 64) * bs
+                keys = self.blocks.keys(s.tenant, s.token_ids[:more], keys)
+            key = keys[len(out)]
+            found = self.blocks.lookup([key])
+            block = found[0] if found else None
+            held_by_others = block is not None and self.blocks.holders(block) > (block in own)
+            if not (held_by_others or self.disk.has_block(key.hex())):
+                break
+            out.append(key.hex())
+        return out
 
     def persist(self, key: SessionKey) -> bool:
         """Write a snapshot of an idle session if it changed since the last one, and settle

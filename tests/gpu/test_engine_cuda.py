@@ -89,3 +89,31 @@ def test_tiers_round_trip_bitwise_on_cuda(loaded: LoadedModel, tmp_path: Path) -
         e.pool.check_integrity()
     finally:
         e.close()
+
+
+def test_shared_block_files_round_trip_bitwise_on_cuda(loaded: LoadedModel, tmp_path: Path) -> None:
+    """Two sessions on one system prompt: its blocks go to block files once (from pinned
+    host copies), and a session restored from them has bitwise the KV it had."""
+    system = "You are a careful agent. " * 40  # > 8 full blocks of 16 tokens
+    tok = loaded.tokenizer
+    a, b = (
+        tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": u}]
+        )
+        for u in ("list the files", "run the tests")
+    )
+    e = Engine(EngineConfig(kv_device_gb=0.2, kv_disk_dir=tmp_path), loaded=loaded)
+    try:
+        run(e, [Request(session_id="a", prompt_text=a, max_tokens=8)])
+        run(e, [Request(session_id="b", prompt_text=b, max_tokens=8)])
+        reference = session_kv(e, "a")
+        e.pool.evict("default", "a", "disk")  # b holds the system prompt: block files
+        e.pool.evict("default", "b", "disk")
+        e.pool.drop_cached_blocks()  # nothing of either is on the device now
+        assert len(list(tmp_path.glob("*.blk"))) >= 8
+        disk = e.pool.disk
+        assert disk is not None and disk.block_bytes > 0
+        assert torch.equal(session_kv(e, "a"), reference)
+        e.pool.check_integrity()
+    finally:
+        e.close()

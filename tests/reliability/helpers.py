@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from ds4pool.kv.blockstore import directory_reader
 from ds4pool.kv.disk import session_file_name
 from ds4pool.kv.snapshot import ModelFingerprint, SnapshotError, decode_snapshot
 from ds4pool.model.tokenizer import Tokenizer
@@ -276,7 +277,7 @@ def scan_snapshots(disk: Path, fp: ModelFingerprint) -> tuple[dict, list[Path], 
     bad: list[str] = []
     for path in sorted(disk.glob("*.snap")):
         try:
-            snap = decode_snapshot(path.read_bytes(), fp)
+            snap = decode_snapshot(path.read_bytes(), fp, directory_reader(disk, fp))
             assert path.name == session_file_name(*snap.key), path.name
         except (SnapshotError, AssertionError) as exc:
             bad.append(f"{path.name}: {exc}")
@@ -290,7 +291,8 @@ def really_bad(path: Path, fp: ModelFingerprint) -> bool:
     not belong under its original name."""
     original = path.name.rsplit(".", 1)[0]
     try:
-        snap = decode_snapshot(path.read_bytes(), fp)
+        # its shared blocks are read from the live directory (the quarantine dir's parent)
+        snap = decode_snapshot(path.read_bytes(), fp, directory_reader(path.parent.parent, fp))
     except SnapshotError:
         return True
     return session_file_name(*snap.key) != original

@@ -187,7 +187,7 @@ def test_header_without_kv_layout_reads_as_kv() -> None:
     doc = json.loads(data[PREFIX_SIZE : PREFIX_SIZE + header_len])
     del doc["fingerprint"]["kv_layout"]
     body = json.dumps(doc, separators=(",", ":")).encode()
-    prefix = struct.pack("<8sHHII", MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body))
+    prefix = struct.pack("<8sHHII", MAGIC, 1, 0, len(body), zlib.crc32(body))
     old = prefix + struct.pack("<I", zlib.crc32(prefix)) + body + data[PREFIX_SIZE + header_len :]
     got = decode_snapshot(old, fp)
     assert got.header.fingerprint == fp and got.header.fingerprint.kv_layout == "kv"
