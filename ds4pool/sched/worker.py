@@ -63,7 +63,7 @@ class Worker:
             with sched.wakeup:
                 sched.wakeup.wait(0.005)
             return
-        keys = [seq.session.key for seq in step.seqs if seq.session is not None]
+        keys = [seq.lease.key for seq in step.seqs if seq.lease is not None]
         assert len(set(keys)) == len(keys) == len(step.seqs), "a session twice in one batch"
         t0 = time.perf_counter()
         try:
