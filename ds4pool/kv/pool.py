@@ -33,6 +33,7 @@ from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.lease import PoolParts, SessionLease, drop_kv
 from ds4pool.kv.prefetch import Prefetcher
+from ds4pool.kv.prefix import plan_text
 from ds4pool.kv.session import (
     Session,
     SessionBusyError,
@@ -130,6 +131,21 @@ class SessionPool:
                         f"session {session_id!r} is busy with another request (waited {wait:.0f}s)"
                     )
                 self._cond.wait(left)
+
+    def text_resume(self, tenant: str, session_id: str | None, prompt_text: str) -> int | None:
+        """Where a prompt given as text would start its new tokens if its request were
+        prepared now (the text before stands for tokens the session keeps, kv/prefix.py);
+        None while that is unknown: a session on disk not read yet, or one in flight (its
+        tokens may change first). Compares text only: the caller tokenizes, off this lock."""
+        if session_id is None:
+            return 0
+        with self._lock:
+            s = self._sessions.get((tenant, session_id))
+            if s is None:
+                return 0
+            if s.in_flight or not s.loaded or s.tier is Tier.DISK:
+                return None
+            return plan_text(s.text_marks, s.token_ids, s.text, prompt_text).from_char
 
     def prefetch(self, tenant: str, session_id: str | None) -> bool:
         """Start bringing an idle disk or RAM session up ahead of its request, on the

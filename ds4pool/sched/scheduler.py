@@ -23,6 +23,7 @@ from ds4pool.kv.lease import BlocksNeverFitError
 from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
 from ds4pool.model.runner import ModelRunner, SeqInput, StepOutput
+from ds4pool.sched.pretokenize import Pretokenizer, PromptPieces
 from ds4pool.sched.queue import FairQueue, QueueConfig
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
@@ -115,6 +116,14 @@ class Scheduler:
         self.accepting = True
         self._max_running = 1 if cfg.serialized else cfg.max_batch_size
         self._seq_ids = itertools.count(1)  # identities for the runner's input batch
+        self.pretokenizer = Pretokenizer(pool.text_resume, pool.prefetching)
+
+    def close(self) -> None:
+        """Stop the helper threads of stage 1 (after the worker has stopped)."""
+        self.pretokenizer.stop()
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------ stage 1: enqueue
 
@@ -129,6 +138,8 @@ class Scheduler:
             raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         stream = RequestStream(req)
         seq = Seq(req, stream, seq_id=next(self._seq_ids))
+        if req.prompt_text is not None:
+            seq.pieces = PromptPieces(req.prompt_text, self._encode)
         with self.wakeup:
             if not self.accepting:
                 self.observer.rejected("draining")
@@ -141,6 +152,8 @@ class Scheduler:
             self.wakeup.notify_all()
         if self.pool.prefetch(req.tenant, req.session_id):  # a disk session: read it ahead
             seq.reads = 1
+        if seq.pieces is not None:  # its text is tokenized off the step thread
+            self.pretokenizer.submit(req.tenant, req.session_id, seq.pieces)
         return stream
 
     def has_work(self) -> bool:
@@ -261,6 +274,9 @@ class Scheduler:
             # a disk session's snapshot is read on the prefetch thread, not on this one
             if self.pool.prefetching(seq.tenant, seq.req.session_id):
                 return False
+            # and a text prompt is tokenized on the pretokenize thread (sched/pretokenize.py)
+            if seq.pieces is not None and not seq.pieces.done.is_set():
+                return False
             if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
                 seq.reads += 1
                 return False
@@ -299,7 +315,7 @@ class Scheduler:
         m = seq.lease.prepare(
             prompt_ids=req.prompt_ids,
             prompt_text=req.prompt_text,
-            tokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            tokenize=seq.pieces.tokenize if seq.pieces is not None else self._encode,
             priority=req.priority,
         )
         limit = self.runner.max_model_len

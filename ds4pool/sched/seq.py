@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ds4pool.kv.lease import SessionLease
 from ds4pool.model.grammar import GrammarState
 from ds4pool.model.tokenizer import IncrementalDecoder, Tokenizer
+from ds4pool.sched.pretokenize import PromptPieces
 from ds4pool.sched.request import Event, Request, RequestStream, State, Usage
 
 
@@ -25,6 +26,7 @@ class Seq:
     seq_id: int = 0  # unique per scheduler: the runner's input batch keys rows by it
     state: State = State.WAITING
     lease: SessionLease | None = None  # its hold on the session, from admission to the end
+    pieces: PromptPieces | None = None  # a text prompt's tokens, filled before admission
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     num_reused: int = 0

@@ -35,6 +35,7 @@ class Worker:
             self._stopping = True
             sched.wakeup.notify_all()
         self._thread.join(timeout)
+        sched.close()
 
     def _run(self) -> None:
         sched = self.scheduler
