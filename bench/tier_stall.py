@@ -87,11 +87,18 @@ def child(args: argparse.Namespace) -> dict[str, object]:
         key = f"big-{i}"
         ids = [rng.randrange(3, vocab) for _ in range(n_tokens)]
         s = pool.acquire("default", key)
-        s.prepare(prompt_ids=ids)
-        s.restore()
-        s.reserve(len(ids))
-        s.commit(ids, "", len(ids))
-        s.release()
+        if hasattr(pool, "match_prefix"):  # a tree from before SessionLease (--before-ref)
+            pool.match_prefix(s, prompt_ids=ids)
+            pool.restore(s)
+            pool.ensure_blocks(s, len(ids))
+            pool.commit(s, ids, "", len(ids))
+            pool.release(s)
+        else:
+            s.prepare(prompt_ids=ids)
+            s.restore()
+            s.reserve(len(ids))
+            s.commit(ids, "", len(ids))
+            s.release()
         histories[key] = ids
 
     def decode(stop: threading.Event, gaps: list[tuple[float, float]], limit: int = 0) -> None:

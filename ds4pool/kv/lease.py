@@ -11,8 +11,9 @@ out one lease per session at a time (the session is `in_flight`), and what else 
 session skips in-flight ones (pressure demotions, persistence, read-ahead, admin moves). So,
 while leased:
 
-- the tokens, text and KV change only through this lease; a count read from it
-  (`num_computed`) stays true until the lease's next call;
+- the tokens, text and KV change only through this lease (one exception: RAM pressure may
+  spill a leased RAM session's host copy to disk, tokens included; `prepare` and `restore`
+  read it back), so a count read from it (`num_computed`) stays true until its next call;
 - `table()` is a copy of ids: it stays valid until the next `reserve`, `commit`, `rollback`
   or `demote` (its epoch changes on any change other than an append);
 - `rollback()` puts back the state `prepare` left (the reused tokens and their KV; the old
@@ -125,25 +126,32 @@ class SessionLease:
         session's system prompt, this session's other branch), the session takes those
         blocks instead (kv/sharing.py). Tokenization runs without the pool lock."""
         assert prompt_ids is not None or (prompt_text is not None and tokenize is not None)
-        with self._p.cond:
-            s = self._live()
-            self._p.tiers.load(s)
-            num_old, old_text = len(s.token_ids), s.text
-            plan: TextPlan | None = None
-            if prompt_text is not None and tokenize is not None:
-                plan = plan_text(s.text_marks, s.token_ids, s.text, prompt_text)
-                if not plan.via_text and prompt_ids is not None:
-                    plan = None  # ids given and the text diverged: the ids are the prompt
-            kept = s.token_ids[: plan.num_kept] if plan is not None else []
-        # outside the lock: the session is leased, nothing else changes its tokens meanwhile
-        if plan is not None:
-            assert prompt_text is not None and tokenize is not None
-            ids = kept + tokenize(prompt_text[plan.from_char :])
-        else:
-            assert prompt_ids is not None
-            ids = list(prompt_ids)
-        with self._p.cond:
-            m = self._match(ids, plan, prompt_text if prompt_ids is None else None, priority)
+        while True:
+            with self._p.cond:
+                s = self._live()
+                self._p.tiers.load(s)
+                seen = (s.token_ids, s.text, s.text_marks)
+                plan: TextPlan | None = None
+                if prompt_text is not None and tokenize is not None:
+                    plan = plan_text(s.text_marks, s.token_ids, s.text, prompt_text)
+                    if not plan.via_text and prompt_ids is not None:
+                        plan = None  # ids given and the text diverged: the ids are the prompt
+                kept = s.token_ids[: plan.num_kept] if plan is not None else []
+            # outside the lock: the session is leased, only its own calls change its tokens
+            if plan is not None:
+                assert prompt_text is not None and tokenize is not None
+                ids = kept + tokenize(prompt_text[plan.from_char :])
+            else:
+                assert prompt_ids is not None
+                ids = list(prompt_ids)
+            with self._p.cond:
+                # ... but RAM pressure may have spilled its host copy to disk meanwhile,
+                # tokens included (tiers.py): then read it back and plan again
+                if (s.token_ids, s.text, s.text_marks) == seen and s.loaded:
+                    text_only = prompt_text if prompt_ids is None else None
+                    m = self._match(ids, plan, text_only, priority)
+                    break
+        num_old, old_text = len(seen[0]), seen[1]
         # the session as matching left it; its old text still stands for the reused tokens
         # only when all of the old tokens were kept
         keeps_text = m.via_text and not m.num_shared and m.num_cached == num_old
