@@ -182,3 +182,33 @@ def test_the_step_thread_never_tokenizes_a_prompt(loaded: LoadedModel) -> None:
         assert set(tok.threads) == {"ds4pool-tokenize"}
     finally:
         e.close()
+
+
+def test_a_disk_sessions_next_turn_is_tokenized_after_its_read_ahead(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    """The session's tokens are on disk when its next turn arrives: the pretokenize thread
+    waits for the read-ahead, then tokenizes only the new text (the step thread nothing)."""
+    e = Engine(EngineConfig(kv_device_gb=0.05, kv_disk_dir=tmp_path), loaded=loaded)
+    try:
+        tok = WorkerThreadTokenizer(loaded.tokenizer)
+        e.scheduler.tokenizer = tok  # type: ignore[assignment]
+        user = {"role": "user", "content": " ".join(f"step {j}" for j in range(200))}
+        text1 = loaded.tokenizer.apply_chat_template([user])
+        _, _, first = e.submit(Request(session_id="cold", prompt_text=text1, max_tokens=4)).collect(
+            timeout=120
+        )
+        assert first.error is None and first.usage is not None
+        assert e.pool.evict("default", "cold", "disk").tier == "disk"
+        tok.threads.clear()
+        text2 = loaded.tokenizer.apply_chat_template(
+            [user, {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]
+        )
+        _, _, second = e.submit(
+            Request(session_id="cold", prompt_text=text2, max_tokens=4)
+        ).collect(timeout=120)
+        assert second.error is None and second.usage is not None
+        assert second.usage.cached_tokens >= first.usage.prompt_tokens
+        assert tok.threads == ["ds4pool-tokenize"]  # one piece: the new text only
+    finally:
+        e.close()
