@@ -7,7 +7,7 @@ Method. One session of --context tokens (random ids) is built once through the p
 measured turn is what an agent's next request looks like: the whole history plus
 --new-tokens new ones (a tool result), driven exactly as the scheduler will drive it:
 
-    acquire → match_prefix → restore → ensure_blocks → prefill the new tokens in --chunk
+    acquire → prepare → restore → reserve → prefill the new tokens in --chunk
     pieces (sampling on the last) → commit → release
 
 TTFT is the wall time from acquire() to the first sampled token (the runner's one host
@@ -61,8 +61,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.engine import fingerprint_for  # noqa: E402
+from ds4pool.kv.lease import SessionLease  # noqa: E402
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool  # noqa: E402
-from ds4pool.kv.session import Session  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
@@ -134,14 +134,14 @@ class Sample:
         return self.to_ram_s + self.to_device_s
 
 
-def prefill(runner: ModelRunner, s: Session, ids: list[int], start: int, chunk: int) -> int:
+def prefill(runner: ModelRunner, s: SessionLease, ids: list[int], start: int, chunk: int) -> int:
     """Compute ids[start:] in chunks, sampling on the last one; returns the sampled id."""
-    assert s.block_table is not None
+    blocks = s.table().block_ids
     sampled: int | None = None
     for pos in range(start, len(ids), chunk):
         piece = ids[pos : pos + chunk]
         last = pos + len(piece) == len(ids)
-        out = runner.step([SeqInput(piece, pos, s.block_table.blocks, sample=last)])
+        out = runner.step([SeqInput(piece, pos, blocks, sample=last)])
         if last:
             sampled = out.sampled[0]
     assert sampled is not None
@@ -198,16 +198,16 @@ class Bench:
         t0 = time.perf_counter()
         s = self.pool.acquire(TENANT, SESSION)
         try:
-            m = self.pool.match_prefix(s, prompt_ids=ids)
-            self.pool.restore(s)
-            self.pool.ensure_blocks(s, len(ids))
-            prefill(self.runner, s, ids, m.num_reused, self.args.chunk)
+            m = s.prepare(prompt_ids=ids)
+            s.restore()
+            s.reserve(len(ids))
+            prefill(self.runner, s, ids, m.num_cached, self.args.chunk)
             ttft = time.perf_counter() - t0
-            self.pool.commit(s, ids, "", len(ids))
-            self.pool.truncate(s, self.args.context)  # every repetition resumes the same KV
+            s.commit(ids, "", len(ids))
+            s.truncate(self.args.context)  # every repetition resumes the same KV
         finally:
-            self.pool.release(s)
-        sample = Sample(ttft, m.num_reused, len(ids) - m.num_reused)
+            s.release()
+        sample = Sample(ttft, m.num_cached, len(ids) - m.num_cached)
         sample.device_read_bytes = block_device_read_bytes() - io0
         for tier, seconds in self.observer.take():
             if tier == "disk":
@@ -222,12 +222,12 @@ class Bench:
         ids = self.random_ids(min(self.args.chunk, self.args.context) + self.args.new_tokens)
         s = self.pool.acquire(TENANT, None)
         try:
-            self.pool.match_prefix(s, prompt_ids=ids)
-            self.pool.restore(s)
-            self.pool.ensure_blocks(s, len(ids))
+            s.prepare(prompt_ids=ids)
+            s.restore()
+            s.reserve(len(ids))
             prefill(self.runner, s, ids, 0, self.args.chunk)
         finally:
-            self.pool.release(s)
+            s.release()
 
     def re_prefill(self) -> Sample:
         """Forget the session everywhere (its file too) and compute the whole prompt."""

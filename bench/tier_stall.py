@@ -9,7 +9,7 @@ sys.path, so the child imports that tree's ds4pool). A child builds an Engine on
 with --model (random:100m: 24 KiB of fp32 KV per token, so 200 MB is 8.5k tokens), fills
 the device KV tensors with random values (incompressible, like real KV: lz4 cannot shrink
 it), and creates --sessions idle sessions of --session-mb of KV each through the pool
-(acquire → match → restore → ensure_blocks → commit: no prefill).
+(acquire → prepare → restore → reserve → commit: no prefill).
 The RAM tier holds one of them. Then one session decodes (greedy, ignore_eos, requests of
 --tokens tokens back to back) while a mover thread, per cycle and session:
 
@@ -87,11 +87,18 @@ def child(args: argparse.Namespace) -> dict[str, object]:
         key = f"big-{i}"
         ids = [rng.randrange(3, vocab) for _ in range(n_tokens)]
         s = pool.acquire("default", key)
-        pool.match_prefix(s, prompt_ids=ids)
-        pool.restore(s)
-        pool.ensure_blocks(s, len(ids))
-        pool.commit(s, ids, "", len(ids))
-        pool.release(s)
+        if hasattr(pool, "match_prefix"):  # a tree from before SessionLease (--before-ref)
+            pool.match_prefix(s, prompt_ids=ids)
+            pool.restore(s)
+            pool.ensure_blocks(s, len(ids))
+            pool.commit(s, ids, "", len(ids))
+            pool.release(s)
+        else:
+            s.prepare(prompt_ids=ids)
+            s.restore()
+            s.reserve(len(ids))
+            s.commit(ids, "", len(ids))
+            s.release()
         histories[key] = ids
 
     def decode(stop: threading.Event, gaps: list[tuple[float, float]], limit: int = 0) -> None:

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from ds4pool.engine import fingerprint_for
-from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
-from ds4pool.kv.session import Session
+from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionLease, SessionPool
 from ds4pool.model.loader import LoadedModel
 from ds4pool.model.runner import ModelRunner, SeqInput
 
@@ -45,7 +44,7 @@ def make_pool(
 def turn(
     pool: SessionPool,
     runner: ModelRunner,
-    s: Session,
+    s: SessionLease,
     *,
     prompt_ids: list[int] | None = None,
     prompt_text: str | None = None,
@@ -59,19 +58,17 @@ def turn(
         def tokenize(text: str) -> list[int]:
             return tok.encode(text, add_special_tokens=False)
 
-    m = pool.match_prefix(s, prompt_ids=prompt_ids, prompt_text=prompt_text, tokenize=tokenize)
-    pool.restore(s)
+    m = s.prepare(prompt_ids=prompt_ids, prompt_text=prompt_text, tokenize=tokenize)
+    s.restore()
     ids = m.token_ids
-    pool.ensure_blocks(s, len(ids))
-    assert s.block_table is not None
+    s.reserve(len(ids))
+    blocks = s.table().block_ids
     logits = None
-    for start in range(m.num_reused, len(ids), chunk):
+    for start in range(m.num_cached, len(ids), chunk):
         piece = ids[start : start + chunk]
         last = start + len(piece) == len(ids)
-        out = runner.step(
-            [SeqInput(piece, start, s.block_table.blocks, sample=last)], return_logits=last
-        )
+        out = runner.step([SeqInput(piece, start, blocks, sample=last)], return_logits=last)
         logits = out.logits
     assert logits is not None
-    pool.commit(s, ids, prompt_text or "", len(ids))
-    return Turn(logits[0], m.num_reused, len(ids) - m.num_reused, ids)
+    s.commit(ids, prompt_text or "", len(ids))
+    return Turn(logits[0], m.num_cached, len(ids) - m.num_cached, ids)

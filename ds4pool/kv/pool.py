@@ -1,9 +1,12 @@
 """SessionPool: (tenant, session id) → Session, with KV across device, RAM and disk tiers.
 
-The facade the scheduler and the API call. Its roles live in their own modules:
+The facade the scheduler and the API call: the registry of sessions, which hands out
+leases. Its roles live in their own modules:
 
-    pool.py    leases (acquire / release), prefix matching, block growth, commit,
-               the choice of which session moves (pressure, preemption), integrity
+    pool.py    the registry, leases handed out (acquire), the choice of which session moves
+               (pressure, serialized mode), read-ahead restores, integrity
+    lease.py   one request's hold on its session: prepare (prefix matching), restore,
+               reserve (block growth), block ids, commit / rollback, release
     sharing.py which blocks a session shares through the block index (index.py)
     tiers.py   the moves themselves (demote, to disk, load, restore copies) and snapshots
     persist.py the writer thread and the ordering of snapshot writes
@@ -21,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.admin import SessionAdmin
@@ -30,11 +33,11 @@ from ds4pool.kv.blockstore import index_secret
 from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
 from ds4pool.kv.cost import RestoreCost, RestorePolicy
 from ds4pool.kv.index import BlockIndex
+from ds4pool.kv.lease import PoolParts, SessionLease, drop_kv
 from ds4pool.kv.prefetch import Prefetcher
-from ds4pool.kv.prefix import TextMark, resume_point, valid_marks
+from ds4pool.kv.prefix import plan_text
 from ds4pool.kv.restore_plan import RestorePlanner
 from ds4pool.kv.session import (
-    PrefixMatch,
     Session,
     SessionBusyError,
     SessionInfo,
@@ -47,7 +50,7 @@ from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.kv.tiers import Tiers
 from ds4pool.kv.transfer import DeviceKV
 
-__all__ = ["DeviceKV", "PoolConfig", "PoolObserver", "PoolUsage", "SessionPool"]
+__all__ = ["DeviceKV", "PoolConfig", "PoolObserver", "PoolUsage", "SessionLease", "SessionPool"]
 
 
 class SessionPool:
@@ -98,19 +101,32 @@ class SessionPool:
         self.planner = RestorePlanner(
             self.cost, self.tiers, kv, self.observer, cfg.block_size, lambda: next(self._versions)
         )
+        self._parts = PoolParts(
+            cfg,
+            self._cond,
+            self.blocks,
+            self.sharing,
+            self.tiers,
+            self.planner,
+            lambda: next(self._versions),
+            self._make_room,
+            self._discard,
+        )
         # the tiers' parts, as callers and tests know them
         self.ram, self.disk, self.writer = self.tiers.ram, self.tiers.disk, self.tiers.writer
 
-    # ------------------------------------------------------------ request lifecycle
+    # ------------------------------------------------------------ leases
 
-    def acquire(self, tenant: str, session_id: str | None, timeout: float | None = None) -> Session:
+    def acquire(
+        self, tenant: str, session_id: str | None, timeout: float | None = None
+    ) -> SessionLease:
         """Lease a session for one request (created if new; None → an ephemeral one).
         Waits while another request holds it; SessionBusyError after `timeout`."""
         if session_id is None:
             s = Session(tenant, f"~{uuid.uuid4().hex}", ephemeral=True, in_flight=True)
             with self._lock:
                 self._sessions[s.key] = s
-            return s
+            return SessionLease(self._parts, s)
         validate_session_id(session_id)
         key = (tenant, session_id)
         wait = self.cfg.acquire_timeout_s if timeout is None else timeout
@@ -122,13 +138,28 @@ class SessionPool:
                     s = self._sessions[key] = Session(tenant, session_id)
                 if not s.in_flight:
                     s.in_flight = True
-                    return s
+                    return SessionLease(self._parts, s)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SessionBusyError(
                         f"session {session_id!r} is busy with another request (waited {wait:.0f}s)"
                     )
                 self._cond.wait(left)
+
+    def text_resume(self, tenant: str, session_id: str | None, prompt_text: str) -> int | None:
+        """Where a prompt given as text would start its new tokens if its request were
+        prepared now (the text before stands for tokens the session keeps, kv/prefix.py);
+        None while that is unknown: a session on disk not read yet, or one in flight (its
+        tokens may change first). Compares text only: the caller tokenizes, off this lock."""
+        if session_id is None:
+            return 0
+        with self._lock:
+            s = self._sessions.get((tenant, session_id))
+            if s is None:
+                return 0
+            if s.in_flight or not s.loaded or s.tier is Tier.DISK:
+                return None
+            return plan_text(s.text_marks, s.token_ids, s.text, prompt_text).from_char
 
     def prefetch(self, tenant: str, session_id: str | None) -> bool:
         """Start bringing an idle disk or RAM session up ahead of its request, on the
@@ -153,123 +184,6 @@ class SessionPool:
             read_kv = self.planner.reads_disk(self._sessions.get(key))  # or recompute it
         self.tiers.read_ahead(key, kv=read_kv)
         self.restore_ahead(key)
-
-    def release(self, s: Session) -> None:
-        """End the request's lease; ephemeral sessions are discarded."""
-        with self._cond:
-            s.in_flight = False
-            s.last_used = time.time()
-            if s.tier is Tier.RAM and s.key not in self.ram and not s.ephemeral:
-                self.tiers.file_in_ram(s)  # read from disk, then the request ended before restore
-            if s.ephemeral:
-                self._discard(s)
-            elif (
-                self.writer
-                and self.cfg.persist_every_tokens
-                and s.dirty_tokens >= self.cfg.persist_every_tokens
-            ):
-                self.writer.enqueue(s.key)
-            self._cond.notify_all()
-
-    def match_prefix(
-        self,
-        s: Session,
-        *,
-        prompt_ids: Sequence[int] | None = None,
-        prompt_text: str | None = None,
-        tokenize: Callable[[str], list[int]] | None = None,
-        priority: int = 0,
-    ) -> PrefixMatch:
-        """Decide the new prompt's tokens and how many leading ones reuse cached KV; drop
-        the KV past that point. When the rendered text extends the session's text, the
-        cached tokens are kept as they are and only the new text is tokenized (BPE merges
-        across the old/new boundary would otherwise make a token match miss). When the
-        block index holds a longer chain of the prompt's blocks than the session's own KV
-        (another session's system prompt, this session's other branch), the session takes
-        those blocks instead (kv/sharing.py)."""
-        assert s.in_flight
-        assert prompt_ids is not None or (prompt_text is not None and tokenize is not None)
-        with self._lock:
-            self.tiers.load(s)
-            via_text = bool(
-                prompt_text is not None
-                and tokenize is not None
-                and s.text
-                and s.token_ids
-                and prompt_text.startswith(s.text)
-            )
-            marks: list[TextMark] = []
-            if via_text:
-                assert prompt_text is not None and tokenize is not None
-                marks = [*s.text_marks, (len(s.token_ids), len(s.text))]
-                ids = s.token_ids + tokenize(prompt_text[len(s.text) :])
-            elif prompt_ids is not None:
-                ids = list(prompt_ids)
-            else:
-                assert prompt_text is not None and tokenize is not None
-                # The text diverged: keep the tokens up to the last boundary known to match
-                # (see kv/prefix.py), tokenize the rest.
-                n, c = resume_point(s.text_marks, s.token_ids, s.text, prompt_text)
-                marks = [(mn, mc) for mn, mc in s.text_marks if mn <= n and mc <= c]
-                if n:
-                    marks.append((n, c))
-                ids = s.token_ids[:n] + tokenize(prompt_text[c:])
-            if prompt_text is not None and prompt_ids is None:
-                marks.append((len(ids), len(prompt_text)))  # the prompt's end
-            s.text_marks = list(dict.fromkeys(marks))  # a request matched again repeats some
-            common = 0
-            for a, b in zip(ids, s.token_ids):
-                if a != b:
-                    break
-                common += 1
-            # at least one token must be computed to produce the next token's logits
-            reuse = max(0, min(common, s.num_computed, len(ids) - 1))
-            if reuse < len(s.token_ids):
-                s.text = ""  # the text stood for tokens we no longer keep
-            s.priority = priority
-            reuse = self._truncate_kv(s, reuse)  # less when a shared half block cannot be copied
-            s.token_ids = ids[:reuse]
-            own = reuse
-            chain = self.sharing.chain_for(s, ids, reuse)
-            if chain:
-                persisted = min(s.num_persisted, reuse)
-                self._drop_kv(s)
-                reuse = self.sharing.adopt(s, ids, chain)
-                s.num_persisted, s.version = persisted, next(self._versions)
-            if reuse:
-                s.hits += 1
-            return PrefixMatch(
-                token_ids=ids, num_reused=reuse, via_text=via_text, num_shared=reuse - own
-            )
-
-    def index_blocks(
-        self, s: Session, prompt_ids: Sequence[int], output_ids: Sequence[int], num_computed: int
-    ) -> None:
-        """Share the full blocks a running request has computed (its tokens are prompt_ids +
-        output_ids, the first num_computed with KV): a prompt admitted next finds them."""
-        with self._lock:
-            self.sharing.offer(s, prompt_ids, output_ids, num_computed)
-
-    def restore(self, s: Session) -> None:
-        """Bring the session's KV to the device (making room if needed)."""
-        with self._lock:
-            self.tiers.load(s)
-            if s.tier is Tier.DEVICE:
-                return
-            move = self.tiers.begin_restore(s)
-            table = BlockTable(self.cfg.block_size)
-            shared = self.sharing.share_for_restore(s, table)  # only the rest is copied
-            try:
-                self._make_room(table.blocks_needed(s.num_computed), exclude=s)
-                table.ensure(self.blocks, s.num_computed)
-            except OutOfBlocksError:
-                table.release(self.blocks)
-                self.tiers.abort_restore(s, move)
-                raise
-            move = self.planner.plan_copy(s, move, shared)  # copy the rest, or recompute it
-            self.planner.copy_in(s, move, table, shared)
-            self.tiers.finish_restore(s, move, table, start=shared, copied=True)
-            self.sharing.restored_into(s, table)
 
     def restore_ahead(self, key: SessionKey) -> None:
         """Put an idle RAM session's KV on the device now, on the calling (prefetch) thread,
@@ -305,28 +219,6 @@ class SessionPool:
             s.in_flight = s.copying = False
             self._cond.notify_all()
 
-    def ensure_blocks(self, s: Session, num_tokens: int) -> None:
-        """Give a device session room for num_tokens tokens of KV, demoting idle sessions
-        if needed; OutOfBlocksError when even that cannot make enough room."""
-        with self._lock:
-            assert s.tier is Tier.DEVICE and s.block_table is not None
-            need = s.block_table.blocks_needed(num_tokens)
-            if need > self.blocks.num_blocks:
-                raise OutOfBlocksError(
-                    f"{num_tokens} tokens need {need + len(s.block_table.blocks)} KV blocks; "
-                    f"the device pool has {self.blocks.num_blocks}"
-                )
-            self._make_room(need, exclude=s)
-            s.block_table.ensure(self.blocks, num_tokens)
-
-    def blocks_to_hold(self, s: Session, num_tokens: int) -> int:
-        """Device blocks s lacks to hold num_tokens (all of them when it is off the device:
-        an estimate, a restore may share some)."""
-        with self._lock:
-            if s.tier is Tier.DEVICE and s.block_table is not None:
-                return s.block_table.blocks_needed(num_tokens)
-            return -(-num_tokens // self.cfg.block_size)
-
     def num_available_blocks(self) -> int:
         """Blocks an allocation could get: free ones, cached ones, and those that only idle
         unpinned device sessions hold (demoted on demand)."""
@@ -338,36 +230,17 @@ class SessionPool:
                     n += sum(1 for b in s.block_table.blocks if self.blocks.holders(b) == 1)
             return n
 
-    def commit(self, s: Session, token_ids: Sequence[int], text: str, num_computed: int) -> None:
-        """Record the session's state after (part of) a turn: KV exists for the first
-        num_computed of token_ids, and `text` is exactly what token_ids stand for."""
-        with self._lock:
-            assert num_computed <= len(token_ids)
-            s.token_ids, s.text = list(token_ids), text
-            s.text_marks = valid_marks(s.text_marks, len(s.token_ids), len(text))
-            s.num_computed = self._truncate_kv(s, num_computed)
-            del s.block_keys[s.num_computed // self.cfg.block_size :]
-            s.version = next(self._versions)
-            s.last_used = time.time()
-
-    def truncate(self, s: Session, num_tokens: int) -> None:
-        """Roll back to the first num_tokens tokens (KV and token ids)."""
-        with self._lock:
-            del s.token_ids[num_tokens:]
-            self._truncate_kv(s, min(num_tokens, s.num_computed))
+    @property
+    def num_device_blocks(self) -> int:
+        return self.blocks.num_blocks
 
     # ------------------------------------------------------------ tier moves
 
-    def demote(self, s: Session, to: Tier, reason: str) -> None:
-        """Move an idle session's KV down to RAM or disk."""
-        with self._lock:
-            self.tiers.demote(s, to, reason)
-
-    def demote_all_but(self, keep: Session, reason: str) -> None:
-        """Demote every idle device session except `keep` to RAM (serialized mode)."""
+    def demote_all_but(self, keep: SessionLease, reason: str) -> None:
+        """Demote every idle device session except `keep`'s to RAM (serialized mode)."""
         with self._lock:
             for s in list(self._sessions.values()):
-                if s is not keep and s.tier is Tier.DEVICE and not s.in_flight:
+                if s.key != keep.key and s.tier is Tier.DEVICE and not s.in_flight:
                     self.tiers.demote(s, Tier.RAM, reason)
 
     def _make_room(self, num_blocks: int, exclude: Session) -> None:
@@ -392,32 +265,8 @@ class SessionPool:
                 "device session is in flight or pinned"
             )
 
-    def _truncate_kv(self, s: Session, n: int) -> int:
-        """Keep KV for the first n tokens; returns how many are kept (see sharing.truncate)."""
-        if n >= s.num_computed:
-            return n
-        if s.tier is Tier.DEVICE:
-            n = self.sharing.truncate(s, n)
-        elif s.tier is Tier.RAM:
-            self.tiers.truncate_host(s, n)
-        # DISK: the snapshot keeps more tokens than needed; restore copies only n.
-        s.num_computed = n
-        s.num_persisted = min(s.num_persisted, n)
-        del s.block_keys[n // self.cfg.block_size :]
-        s.version = next(self._versions)
-        return n
-
-    def _drop_kv(self, s: Session) -> None:
-        """Let go of the session's device blocks and host copy (its tokens and snapshot stay)."""
-        if s.block_table is not None:
-            s.block_table.release(self.blocks)
-            s.block_table = None
-        self.tiers.ram.pop(s.key)
-        s.host_kv, s.tier, s.disk_read_s = None, Tier.NONE, None
-        s.num_computed, s.block_keys = 0, []
-
     def _discard(self, s: Session) -> None:
-        self._drop_kv(s)
+        drop_kv(self._parts, s)
         self.tiers.forget(s)
         self._sessions.pop(s.key, None)
 

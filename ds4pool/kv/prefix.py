@@ -16,6 +16,7 @@ new tokens agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 TextMark = tuple[int, int]  # (num_tokens, num_chars): token_ids[:n] stand for text[:c]
 
@@ -56,3 +57,30 @@ def resume_point(
         if c <= common and n > best[0]:
             best = (n, c)
     return best
+
+
+@dataclass(frozen=True)
+class TextPlan:
+    """How a prompt given as text continues a session: keep token_ids[:num_kept] as they are
+    and tokenize prompt_text[from_char:] after them. `marks` are the session's marks that
+    still hold for the kept tokens (the boundary between kept and new tokens included)."""
+
+    num_kept: int
+    from_char: int
+    marks: list[TextMark]
+    via_text: bool  # the prompt extends the session's text: every token is kept
+
+
+def plan_text(
+    marks: Sequence[TextMark], token_ids: Sequence[int], text: str, prompt_text: str
+) -> TextPlan:
+    """Only compares text and marks (the caller tokenizes, outside the pool lock)."""
+    if text and token_ids and prompt_text.startswith(text):
+        end = (len(token_ids), len(text))
+        return TextPlan(len(token_ids), len(text), [*marks, end], via_text=True)
+    # The text diverged: keep the tokens up to the last boundary known to match.
+    n, c = resume_point(marks, token_ids, text, prompt_text)
+    kept = [(mn, mc) for mn, mc in marks if mn <= n and mc <= c]
+    if n:
+        kept.append((n, c))
+    return TextPlan(n, c, kept, via_text=False)

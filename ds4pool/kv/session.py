@@ -136,13 +136,3 @@ class SessionInfo:
     pinned: bool
     in_flight: bool
     persisted_tokens: int
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """The outcome of matching a new prompt against a session's cache."""
-
-    token_ids: list[int]  # the full prompt, cached part first
-    num_reused: int  # leading tokens whose KV is reused (prefix hit)
-    via_text: bool  # True when the text-prefix path produced token_ids
-    num_shared: int = 0  # of num_reused, tokens beyond the session's own KV (block index)

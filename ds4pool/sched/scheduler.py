@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass, field
 
 from ds4pool.errors import ContextLengthError, Ds4poolError, OutOfBlocksError
+from ds4pool.kv.lease import BlocksNeverFitError
 from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
 from ds4pool.model.runner import ModelRunner, SeqInput, StepOutput
 from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.sched.pretokenize import Pretokenizer, PromptPieces
 from ds4pool.sched.queue import FairQueue, QueueConfig
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
@@ -88,7 +90,7 @@ class _Room:
         self.left: int | None = None  # computed on first use: most builds admit nobody
 
     def take(self, seq: Seq) -> None:
-        running = [r for r in self.sched.running if r.session is not None]
+        running = [r for r in self.sched.running if r.lease is not None]
         if not running or any(r.priority > seq.priority for r in running):
             return
         if self.left is None:
@@ -121,6 +123,14 @@ class Scheduler:
         self.accepting = True
         self._max_running = 1 if cfg.serialized else cfg.max_batch_size
         self._seq_ids = itertools.count(1)  # identities for the runner's input batch
+        self.pretokenizer = Pretokenizer(pool.text_resume, pool.prefetching)
+
+    def close(self) -> None:
+        """Stop the helper threads of stage 1 (after the worker has stopped)."""
+        self.pretokenizer.stop()
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------ stage 1: enqueue
 
@@ -135,6 +145,8 @@ class Scheduler:
             raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         stream = RequestStream(req)
         seq = Seq(req, stream, seq_id=next(self._seq_ids))
+        if req.prompt_text is not None:
+            seq.pieces = PromptPieces(req.prompt_text, self._encode)
         with self.wakeup:
             if not self.accepting:
                 self.observer.rejected("draining")
@@ -147,6 +159,8 @@ class Scheduler:
             self.wakeup.notify_all()
         if self.pool.prefetch(req.tenant, req.session_id):  # a disk session: read it ahead
             seq.reads = 1
+        if seq.pieces is not None:  # its text is tokenized off the step thread
+            self.pretokenizer.submit(req.tenant, req.session_id, seq.pieces)
         return stream
 
     def has_work(self) -> bool:
@@ -199,22 +213,15 @@ class Scheduler:
     def _reserve(self, seq: Seq, n: int, step: Step) -> bool:
         """Blocks for n more tokens of seq; preempts lower-priority running requests
         (their KV goes to RAM, they requeue and resume later without recomputation)."""
-        assert seq.session is not None
+        assert seq.lease is not None
         while True:
             try:
-                self.pool.ensure_blocks(seq.session, seq.num_computed + n)
+                seq.lease.reserve(seq.num_computed + n)
                 return True
+            except BlocksNeverFitError as exc:  # can never fit: fail, don't loop
+                self._finish(seq, "error", error=str(exc), error_type="invalid_request")
+                return False
             except OutOfBlocksError as exc:
-                table = seq.session.block_table
-                assert table is not None
-                total = len(table.blocks) + table.blocks_needed(seq.num_computed + n)
-                if total > self.pool.blocks.num_blocks:  # can never fit: fail, don't loop
-                    error = (
-                        f"{seq.num_computed + n} tokens need {total} KV blocks; "
-                        f"the device pool has {self.pool.blocks.num_blocks}"
-                    )
-                    self._finish(seq, "error", error=error, error_type="invalid_request")
-                    return False
                 # the one to yield: lowest priority, newest first (admission keeps this rare
                 # between requests of one priority)
                 victims = [
@@ -235,9 +242,9 @@ class Scheduler:
                     return False
 
     def _preempt(self, seq: Seq) -> None:
-        assert seq.session is not None
+        assert seq.lease is not None
         self._sync_session(seq)
-        self.pool.demote(seq.session, Tier.RAM, "preempt")
+        seq.lease.demote(Tier.RAM, "preempt")  # it keeps the lease while it waits
         seq.state = State.WAITING
         self.running.remove(seq)
         with self.lock:
@@ -260,9 +267,9 @@ class Scheduler:
                 if not self._activate(seq, now, room):
                     continue
             except OutOfBlocksError:
-                if seq.session is not None and seq.admitted_at is None:
-                    self.pool.release(seq.session)  # it keeps its place in the queue
-                    seq.session = None
+                if seq.lease is not None and seq.admitted_at is None:
+                    seq.lease.release()  # it keeps its place in the queue
+                    seq.lease = None
                 return
             except SessionBusyError as exc:
                 self._dequeue(seq)
@@ -284,52 +291,54 @@ class Scheduler:
         """Acquire, match and restore the session of a waiting request. False if its
         session is busy with another request (it stays queued, bounded in time);
         OutOfBlocksError when its blocks do not fit beside the running requests'."""
-        if seq.session is None:
+        if seq.lease is None:
             # a disk session's snapshot is read on the prefetch thread, not on this one
             if self.pool.prefetching(seq.tenant, seq.req.session_id):
+                return False
+            # and a text prompt is tokenized on the pretokenize thread (sched/pretokenize.py)
+            if seq.pieces is not None and not seq.pieces.done.is_set():
                 return False
             if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
                 seq.reads += 1
                 return False
             try:
-                seq.session = self.pool.acquire(seq.req.tenant, seq.req.session_id, timeout=0)
+                seq.lease = self.pool.acquire(seq.req.tenant, seq.req.session_id, timeout=0)
             except SessionBusyError:
                 seq.blocked_since = seq.blocked_since or now
                 if now - seq.blocked_since > self.cfg.session_wait_s:
                     raise
                 return False
+        lease = seq.lease
+        assert lease is not None
         if self.cfg.serialized:
-            self.pool.demote_all_but(seq.session, "serialized")
+            self.pool.demote_all_but(lease, "serialized")
         matched = seq.admitted_at is None
         if matched:
-            self._match(seq)
+            self._prepare(seq)
         try:
             room.take(seq)  # raises OutOfBlocksError: the request waits, nobody is preempted
         except OutOfBlocksError:
             if matched:
-                self._keep_match(seq)
+                lease.keep_prepared()  # its next prepare gives exactly these tokens again
             raise
         if seq.admitted_at is None:
             self.observer.admitted(now - seq.arrival)
             seq.admitted_at = now
-        self.pool.restore(seq.session)
+        lease.restore()
         # A preempted request's KV can be lost while it waits (it did not fit in RAM and the
         # disk write failed, or there is no disk tier), and a restore may choose to recompute
         # it (kv/cost.py): recompute what the session lacks, and report it as computed.
-        seq.num_computed = min(seq.num_computed, seq.session.num_computed)
+        seq.num_computed = min(seq.num_computed, lease.num_computed)
         seq.num_reused = min(seq.num_reused, seq.num_computed)
         return True
 
-    def _match(self, seq: Seq) -> None:
-        s = seq.session
-        assert s is not None
-        num_old, old_text = len(s.token_ids), s.text
+    def _prepare(self, seq: Seq) -> None:
+        assert seq.lease is not None
         req = seq.req
-        m = self.pool.match_prefix(
-            s,
+        m = seq.lease.prepare(
             prompt_ids=req.prompt_ids,
             prompt_text=req.prompt_text,
-            tokenize=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            tokenize=seq.pieces.tokenize if seq.pieces is not None else self._encode,
             priority=req.priority,
         )
         limit = self.runner.max_model_len
@@ -342,37 +351,21 @@ class Scheduler:
         vocab = self.runner.loaded.config.vocab_size
         if min(m.token_ids) < 0 or max(m.token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq.prompt_ids, seq.num_reused, seq.num_computed = m.token_ids, m.num_reused, m.num_reused
-        # the session as match_prefix left it (its reused tokens, maybe another's blocks);
-        # its old text still stands for them only when all of the old tokens were kept
-        seq.rollback_ids = m.token_ids[: m.num_reused]
-        keeps_text = m.via_text and not m.num_shared and m.num_reused == num_old
-        seq.rollback_text = old_text if keeps_text else ""
+        seq.prompt_ids, seq.num_reused, seq.num_computed = m.token_ids, m.num_cached, m.num_cached
         seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
         seq.start_decoding(self.tokenizer, vocab)
 
-    def _keep_match(self, seq: Seq) -> None:
-        """seq was matched but waits for blocks: its session is released meanwhile. Leave
-        the session holding the prompt's tokens as matched (KV for the reused ones) and the
-        text they stand for, so that the next match gives exactly these tokens again.
-        Matching cleared the session's text; without it the next match would re-tokenize the
-        whole prompt, and the reply tokens as sampled are not the text's canonical tokens:
-        the request would compute other token ids than had it not waited."""
-        assert seq.session is not None
-        text = seq.req.prompt_text if seq.req.prompt_text is not None else ""
-        self.pool.commit(seq.session, seq.prompt_ids, text, seq.num_computed)
-
     def _need(self, seq: Seq) -> int:
         """Device blocks seq still needs for its prompt and one block of output."""
-        assert seq.session is not None
-        return self.pool.blocks_to_hold(seq.session, seq.num_tokens + self.pool.cfg.block_size)
+        assert seq.lease is not None
+        return seq.lease.blocks_to_hold(seq.num_tokens + self.pool.cfg.block_size)
 
     def _dequeue(self, seq: Seq) -> None:
         with self.lock:
             self.queue.remove(seq)
 
     def _add(self, step: Step, seq: Seq, n: int) -> None:
-        assert seq.session is not None and seq.session.block_table is not None
+        assert seq.lease is not None
         start = seq.num_computed
         sample = start + n == seq.num_tokens
         bitmask = seq.grammar.fill() if sample and seq.grammar else None
@@ -382,14 +375,14 @@ class Scheduler:
             )
             self._finish(seq, "error", error=error, error_type="invalid_request")
             return
-        table = seq.session.block_table
+        table = seq.lease.table()
         step.seqs.append(seq)
         step.counts.append(n)
         step.inputs.append(
             SeqInput(
                 token_ids=seq.all_ids[start : start + n],
                 num_computed=start,
-                block_table=list(table.blocks),
+                block_table=table.block_ids,
                 seq_id=seq.seq_id,
                 table_epoch=table.epoch,
                 sample=sample,
@@ -413,10 +406,10 @@ class Scheduler:
     def process(self, step: Step, out: StepOutput) -> None:
         for seq, n, token in zip(step.seqs, step.counts, out.sampled):
             seq.num_computed += n
-            assert seq.session is not None
+            assert seq.lease is not None
             # full blocks are shared as soon as they are computed: a prompt admitted next
             # step finds the system prompt another request is still prefilling
-            self.pool.index_blocks(seq.session, seq.prompt_ids, seq.output_ids, seq.num_computed)
+            seq.lease.offer(seq.prompt_ids, seq.output_ids, seq.num_computed)
             if token is None:
                 continue
             first = seq.first_token_at is None
@@ -452,12 +445,12 @@ class Scheduler:
         self.fail(Step(list(self.running), [], []), exc)
 
     def _sync_session(self, seq: Seq) -> None:
-        assert seq.session is not None
+        assert seq.lease is not None
         # The text must stand exactly for the tokens: only when the prompt came as text.
         text = ""
         if seq.req.prompt_text is not None:
             text = seq.req.prompt_text + self.tokenizer.decode(seq.output_ids)
-        self.pool.commit(seq.session, seq.all_ids, text, seq.num_computed)
+        seq.lease.commit(seq.all_ids, text, seq.num_computed)
 
     def _finish(
         self,
@@ -469,14 +462,13 @@ class Scheduler:
         token_ids: tuple[int, ...] = (),
         rollback: bool = False,
     ) -> None:
-        if seq.session is not None:
+        if seq.lease is not None:
             if rollback:
-                n = len(seq.rollback_ids)
-                self.pool.commit(seq.session, seq.rollback_ids, seq.rollback_text, n)
+                seq.lease.rollback()
             elif seq.admitted_at is not None:
                 self._sync_session(seq)
-            self.pool.release(seq.session)
-            seq.session = None
+            seq.lease.release()
+            seq.lease = None
         if seq in self.running:
             self.running.remove(seq)
         seq.state = State.FINISHED

@@ -12,9 +12,10 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from ds4pool.kv.session import Session
+from ds4pool.kv.lease import SessionLease
 from ds4pool.model.grammar import GrammarState
 from ds4pool.model.tokenizer import IncrementalDecoder, Tokenizer
+from ds4pool.sched.pretokenize import PromptPieces
 from ds4pool.sched.request import Event, Request, RequestStream, State, Usage
 
 
@@ -24,16 +25,14 @@ class Seq:
     stream: RequestStream
     seq_id: int = 0  # unique per scheduler: the runner's input batch keys rows by it
     state: State = State.WAITING
-    session: Session | None = None
+    lease: SessionLease | None = None  # its hold on the session, from admission to the end
+    pieces: PromptPieces | None = None  # a text prompt's tokens, filled before admission
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     num_reused: int = 0
     num_computed: int = 0
     max_tokens: int = 0
     seed: int = 0
-    # the session as it was before this request: restored if a step fails
-    rollback_ids: list[int] = field(default_factory=list)
-    rollback_text: str = ""
     decoder: IncrementalDecoder | None = None
     text: str = ""  # generated text so far (all of it, stop strings included)
     emitted: int = 0  # chars of `text` already sent to the stream

@@ -47,6 +47,7 @@ class Worker:
             self._stopping = True
             sched.wakeup.notify_all()
         self._thread.join(timeout)
+        sched.close()
 
     def _run(self) -> None:
         sched = self.scheduler
@@ -89,7 +90,7 @@ class Worker:
             with sched.wakeup:
                 sched.wakeup.wait(0.005)
             return
-        keys = [seq.session.key for seq in step.seqs if seq.session is not None]
+        keys = [seq.lease.key for seq in step.seqs if seq.lease is not None]
         assert len(set(keys)) == len(keys) == len(step.seqs), "a session twice in one batch"
         # rows that decode one token; the rest of the step's tokens are prompt (or recomputed)
         # KV: the prefill rate of the restore-vs-recompute decision (kv/cost.py)

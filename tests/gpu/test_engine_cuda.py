@@ -67,12 +67,12 @@ def session_kv(e: Engine, session_id: str) -> torch.Tensor:
     """The session's KV, restored to the device and copied out (through pinned memory)."""
     s = e.pool.acquire("default", session_id)
     try:
-        e.pool.restore(s)
-        assert s.block_table is not None
+        s.restore()
+        assert s.session.block_table is not None
         kv = DeviceKV(e.runner.kv_caches, e.runner.layout)
-        return gather_to_host(kv, s.block_table.blocks, s.num_computed)
+        return gather_to_host(kv, s.session.block_table.blocks, s.session.num_computed)
     finally:
-        e.pool.release(s)
+        s.release()
 
 
 def test_tiers_round_trip_bitwise_on_cuda(loaded: LoadedModel, tmp_path: Path) -> None:

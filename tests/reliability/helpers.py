@@ -250,9 +250,9 @@ class SnapInfo:
 
 
 def expected_reuse(snap: SnapInfo | None, prompt: str, tok: Tokenizer) -> int:
-    """The prefix a session restored from `snap` must reuse for `prompt`: what SessionPool.
-    match_prefix specifies (text extension keeps the exact ids, else the longest common token
-    prefix), capped by the KV in the snapshot and by one token left to compute."""
+    """The prefix a session restored from `snap` must reuse for `prompt`: what
+    SessionLease.prepare specifies (text extension keeps the exact ids, else the longest
+    common token prefix), capped by the KV in the snapshot and by one token left to compute."""
     if snap is None:
         return 0
 

@@ -65,13 +65,13 @@ def two_turns(pool: SessionPool, runner: ModelRunner, evict: str | None, key: st
     first, second = ids(45, 1), ids(20, 2)
     s = pool.acquire("t", key)
     turn(pool, runner, s, prompt_ids=first)
-    pool.release(s)
+    s.release()
     if evict:
         pool.evict("t", key, evict)
         assert pool.get("t", key).tier == evict  # type: ignore[union-attr]
     s = pool.acquire("t", key)
     result = turn(pool, runner, s, prompt_ids=first + second)
-    pool.release(s)
+    s.release()
     return result
 
 
@@ -101,15 +101,15 @@ def test_kv_round_trips_the_tiers_bitwise(any_loaded: LoadedModel, tmp_path: Pat
         """The session back on the device, read out as [L, P, T, H, D]: P = 2 (K and V) or
         1 (the MLA latent)."""
         s = pool.acquire("t", "a")
-        pool.restore(s)
-        assert s.block_table is not None
-        kv = gather_to_host(device_kv(r), s.block_table.blocks, s.num_computed)
-        pool.release(s)
+        s.restore()
+        assert s.session.block_table is not None
+        kv = gather_to_host(device_kv(r), s.session.block_table.blocks, s.session.num_computed)
+        s.release()
         return kv.view(torch.uint8)
 
     s = pool.acquire("t", "a")
     turn(pool, r, s, prompt_ids=ids(45, 1))
-    pool.release(s)
+    s.release()
     want = restored_kv(pool, r)
     assert want.shape[1] == (1 if any_loaded.config.mla else 2)
     for tier in ("ram", "disk"):
@@ -132,7 +132,7 @@ def test_gqa_snapshots_do_not_load_into_an_mla_model(
         pool = make_pool(written, r, d)
         s = pool.acquire("t", "a")
         turn(pool, r, s, prompt_ids=ids(45, 1))
-        pool.release(s)
+        s.release()
         pool.close()
         rec = Recorder()
         other = make_pool(running, ModelRunner(running, num_blocks=64, block_size=BLOCK), d, rec)
@@ -146,7 +146,7 @@ def test_session_survives_a_restart(loaded: LoadedModel, tmp_path: Path) -> None
     pool = make_pool(loaded, r1, tmp_path)
     s = pool.acquire("t", "agent-7")
     turn(pool, r1, s, prompt_ids=first)
-    pool.release(s)
+    s.release()
     pool.close()  # clean shutdown flushes
 
     r2 = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)  # a new process, in effect
@@ -155,7 +155,7 @@ def test_session_survives_a_restart(loaded: LoadedModel, tmp_path: Path) -> None
     assert info is not None and info.tier == "disk" and info.num_computed == 45
     s = pool2.acquire("t", "agent-7")
     got = turn(pool2, r2, s, prompt_ids=first + second)
-    pool2.release(s)
+    s.release()
     assert got.num_reused == 45 and got.num_computed == 20
 
     r3 = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
@@ -180,8 +180,8 @@ def test_text_prefix_path_reuses_tokens_across_bpe_boundary(
     # The model generated "print" as two tokens, "p" + "rint"; the canonical encoding of
     # "print" is one token. The session keeps the tokens the model really produced.
     generated = enc("p") + enc("rint")
-    pool.commit(s, first.token_ids + generated, turn1 + "print", len(first.token_ids))
-    pool.release(s)
+    s.commit(first.token_ids + generated, turn1 + "print", len(first.token_ids))
+    s.release()
 
     # Turn 2: the client re-sends the history; re-tokenizing it whole merges "print".
     turn2 = tok.apply_chat_template(
@@ -191,7 +191,7 @@ def test_text_prefix_path_reuses_tokens_across_bpe_boundary(
     assert enc(turn2)[: len(cached)] != cached, "needs a merge across the old/new boundary"
     s = pool.acquire("t", "chat")
     got = turn(pool, runner, s, prompt_text=turn2)
-    pool.release(s)
+    s.release()
     assert got.token_ids[: len(cached)] == cached  # the exact cached tokens are kept
     # KV existed for the prompt; the generated tokens (no KV yet) and the new text are
     # computed: nothing of the history is prefilled again.
@@ -207,14 +207,14 @@ def test_token_prefix_reuse_truncates_past_divergence(
     base = ids(40, 5)
     s = pool.acquire("t", "x")
     turn(pool, runner, s, prompt_ids=base)
-    pool.release(s)
+    s.release()
     s = pool.acquire("t", "x")
     got = turn(pool, runner, s, prompt_ids=base[:30] + ids(10, 6))  # edited history
-    pool.release(s)
+    s.release()
     assert got.num_reused == 30 and got.num_computed == 10
     s = pool.acquire("t", "x")
     got = turn(pool, runner, s, prompt_ids=base[:30] + ids(10, 6))  # identical prompt
-    pool.release(s)
+    s.release()
     assert got.num_reused == 39  # all but the last token, which must be recomputed
     pool.check_integrity()
 
@@ -229,7 +229,7 @@ def test_budgets_hold_and_lru_order(loaded: LoadedModel, tmp_path: Path) -> None
     for i in range(60):
         s = pool.acquire("t", f"s{i}")
         turn(pool, runner, s, prompt_ids=ids(40, i))
-        pool.release(s)
+        s.release()
         pool.check_integrity()
         usage = pool.usage()
         assert usage.device_blocks_used <= 12
@@ -258,20 +258,20 @@ def test_in_flight_and_pinned_sessions_are_never_demoted(
     turn(pool, runner, busy, prompt_ids=ids(40, 1))  # 3 blocks, still in flight
     s = pool.acquire("t", "pinned")
     turn(pool, runner, s, prompt_ids=ids(40, 2))
-    pool.release(s)
+    s.release()
     pool.set_pinned("t", "pinned", True)
     other = pool.acquire("t", "other")
     with pytest.raises(OutOfBlocksError, match="in flight or pinned"):
         turn(pool, runner, other, prompt_ids=ids(40, 3))  # needs 3, only 2 free
     assert pool.get("t", "busy").tier == "device"  # type: ignore[union-attr]
     assert pool.get("t", "pinned").tier == "device"  # type: ignore[union-attr]
-    pool.release(other)
+    other.release()
     pool.set_pinned("t", "pinned", False)
     other = pool.acquire("t", "other")
     turn(pool, runner, other, prompt_ids=ids(40, 3))  # now the unpinned one can go
     assert pool.get("t", "pinned").tier == "ram"  # type: ignore[union-attr]
-    pool.release(other)
-    pool.release(busy)
+    other.release()
+    busy.release()
     pool.check_integrity()
     pool.close()
 
@@ -281,10 +281,10 @@ def test_a_second_request_waits_then_times_out(loaded: LoadedModel, runner: Mode
     s = pool.acquire("t", "one")
     with pytest.raises(SessionBusyError, match="busy"):
         pool.acquire("t", "one", timeout=0.05)
-    pool.release(s)
-    pool.release(pool.acquire("t", "one", timeout=0.05))
+    s.release()
+    pool.acquire("t", "one", timeout=0.05).release()
     # Same id, other tenant: a different session, not busy.
-    pool.release(pool.acquire("u", "one", timeout=0.05))
+    pool.acquire("u", "one", timeout=0.05).release()
     assert {(i.tenant, i.session_id) for i in pool.list_sessions()} == {("t", "one"), ("u", "one")}
 
 
@@ -304,7 +304,7 @@ def test_corrupt_snapshot_is_quarantined_and_session_starts_fresh(
         pool = make_pool(loaded, runner, d)
         s = pool.acquire("t", "a")
         turn(pool, runner, s, prompt_ids=ids(45, 1))
-        pool.release(s)
+        s.release()
         pool.close()
         [snap] = d.glob("*.snap")
         data = bytearray(snap.read_bytes())
@@ -317,7 +317,7 @@ def test_corrupt_snapshot_is_quarantined_and_session_starts_fresh(
         pool2 = make_pool(loaded, runner, d, rec)
         s = pool2.acquire("t", "a")
         got = turn(pool2, runner, s, prompt_ids=ids(45, 1))
-        pool2.release(s)
+        s.release()
         assert got.num_reused == 0, damage  # nothing corrupt was loaded
         assert rec.errors, damage
         assert list((d / "quarantine").glob("*.snap.*.reason")), damage
@@ -329,7 +329,7 @@ def test_snapshot_of_another_model_is_rejected(loaded: LoadedModel, tmp_path: Pa
     pool = make_pool(loaded, runner, tmp_path)
     s = pool.acquire("t", "a")
     turn(pool, runner, s, prompt_ids=ids(45, 1))
-    pool.release(s)
+    s.release()
     pool.close()
     other = LoadedModel(**{**loaded.__dict__, "weights_id": "another-model"})
     pool2 = make_pool(other, runner, tmp_path)
@@ -351,7 +351,7 @@ def test_disk_full_keeps_serving_and_keeps_the_session_in_ram(
 
     s = pool.acquire("t", "a")
     turn(pool, runner, s, prompt_ids=ids(45, 1))
-    pool.release(s)
+    s.release()
     monkeypatch.setattr(disk_module, "write_snapshot", disk_full)
     pool.evict("t", "a", "ram")  # write-behind persistence fails in the writer thread
     pool.writer.drain()  # type: ignore[union-attr]
@@ -361,7 +361,7 @@ def test_disk_full_keeps_serving_and_keeps_the_session_in_ram(
     assert not list(tmp_path.glob("*.snap")) and not list(tmp_path.glob(".*.tmp"))
     s = pool.acquire("t", "a")
     got = turn(pool, runner, s, prompt_ids=ids(45, 1) + ids(5, 2))  # still serving
-    pool.release(s)
+    s.release()
     assert got.num_reused == 45
     pool.close()
     assert list(tmp_path.glob("*.snap"))  # written once the disk had room again
@@ -374,10 +374,10 @@ def test_write_behind_triggers_and_drop(loaded: LoadedModel, tmp_path: Path) -> 
     pool = make_pool(loaded, runner, tmp_path, persist_idle_s=0.2, persist_every_tokens=40)
     s = pool.acquire("t", "big")
     turn(pool, runner, s, prompt_ids=ids(45, 1))  # 45 new tokens >= 40: persisted at release
-    pool.release(s)
+    s.release()
     s = pool.acquire("t", "small")
     turn(pool, runner, s, prompt_ids=ids(10, 2))  # below the token trigger
-    pool.release(s)
+    s.release()
     pool.writer.drain()  # type: ignore[union-attr]
     assert pool.get("t", "big").persisted_tokens == 45  # type: ignore[union-attr]
     deadline = time.monotonic() + 10
@@ -391,7 +391,7 @@ def test_write_behind_triggers_and_drop(loaded: LoadedModel, tmp_path: Path) -> 
     assert len(list(tmp_path.glob("*.snap"))) == 1
     s = pool.acquire("t", "big")  # the id is free again, as a fresh session
     assert turn(pool, runner, s, prompt_ids=ids(45, 1)).num_reused == 0
-    pool.release(s)
+    s.release()
     pool.check_integrity()
     pool.close()
 
@@ -402,7 +402,7 @@ def test_flush_and_usage(loaded: LoadedModel, tmp_path: Path) -> None:
     for i in range(3):
         s = pool.acquire("t", f"s{i}")
         turn(pool, runner, s, prompt_ids=ids(20, i))
-        pool.release(s)
+        s.release()
     assert not list(tmp_path.glob("*.snap"))  # no trigger fired
     assert pool.flush() == 3
     assert len(list(tmp_path.glob("*.snap"))) == 3

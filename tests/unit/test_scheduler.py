@@ -95,7 +95,7 @@ def test_long_prompt_is_chunked_while_others_decode(loaded: LoadedModel) -> None
     steps_seen: list[tuple[int, int]] = []
 
     e = engine(loaded, max_batch_tokens=64)
-    e.scheduler.observer.step = lambda b, n, s: steps_seen.append((b, n))  # type: ignore[method-assign]
+    e.scheduler.observer.step = lambda b, n, s, *_: steps_seen.append((b, n))  # type: ignore[method-assign]
     try:
         short = e.submit(
             Request(session_id="short", prompt_text=prompts(loaded, 1)[0], max_tokens=40)
@@ -119,7 +119,7 @@ def test_prefill_is_capped_only_while_others_decode(loaded: LoadedModel) -> None
     )
     steps_seen: list[tuple[int, int]] = []  # (sequences, tokens) per step
     e = engine(loaded, max_batch_tokens=256, max_prefill_tokens=32)
-    e.scheduler.observer.step = lambda b, n, s: steps_seen.append((b, n))  # type: ignore[method-assign]
+    e.scheduler.observer.step = lambda b, n, s, *_: steps_seen.append((b, n))  # type: ignore[method-assign]
     try:
         # alone, a prompt takes the whole max_batch_tokens budget in its first step
         e.submit(Request(session_id="lone", prompt_text=long_prompt, max_tokens=1)).collect(60)
@@ -262,7 +262,7 @@ def test_tight_budget_admits_what_fits_instead_of_preempting(loaded: LoadedModel
     e = engine(loaded, kv_device_gb=28 * per_block / (1 << 30), max_batch_tokens=4096)
     preempted, batch = [], []
     e.scheduler.observer.preempted = lambda: preempted.append(1)  # type: ignore[method-assign]
-    e.scheduler.observer.step = lambda b, n, s: batch.append(b)  # type: ignore[method-assign]
+    e.scheduler.observer.step = lambda b, n, s, *_: batch.append(b)  # type: ignore[method-assign]
     try:
         together = run_all(e, reqs)
         e.pool.check_integrity()
@@ -310,7 +310,7 @@ def test_higher_priority_preempts_and_results_stay_exact(loaded: LoadedModel) ->
 def test_no_batching_runs_one_request_at_a_time(loaded: LoadedModel) -> None:
     e = engine(loaded, no_batching=True)
     sizes: list[int] = []
-    e.scheduler.observer.step = lambda b, n, s: sizes.append(b)  # type: ignore[method-assign]
+    e.scheduler.observer.step = lambda b, n, s, *_: sizes.append(b)  # type: ignore[method-assign]
     try:
         run_all(e, make_reqs(loaded, 4, SamplingParams(temperature=0.0), "n"))
         assert set(sizes) == {1}

@@ -79,7 +79,7 @@ def prefill(pool: SessionPool, runner: ModelRunner, key: str, prompt: list[int])
     try:
         return turn(pool, runner, s, prompt_ids=prompt).logits
     finally:
-        pool.release(s)
+        s.release()
 
 
 def test_ram_overflow_spills_through_the_writer_and_stays_restorable(
@@ -104,7 +104,7 @@ def test_ram_overflow_spills_through_the_writer_and_stays_restorable(
     # the spilling copy is restorable as it is: a's next turn reuses all 45 tokens
     s = pool.acquire("t", "a")
     got = turn(pool, runner, s, prompt_ids=ids(45, 1) + ids(20, 2))
-    pool.release(s)
+    s.release()
     assert got.num_reused == 45
     assert torch.allclose(got.logits, expected, atol=1e-4)
     gate.opened.set()
@@ -114,7 +114,7 @@ def test_ram_overflow_spills_through_the_writer_and_stays_restorable(
     assert [pool.get("t", k).tier for k in "abc"] == ["device", "disk", "ram"]  # type: ignore[union-attr]
     s = pool.acquire("t", "b")
     assert turn(pool, runner, s, prompt_ids=ids(45, 3) + [7]).num_reused == 45
-    pool.release(s)
+    s.release()
     pool.close()
 
 
@@ -163,7 +163,7 @@ def test_a_disk_session_is_read_ahead_not_on_the_step_thread(
     assert pool.get("t", "a").tier == "device"  # type: ignore[union-attr]
     s = pool.acquire("t", "a")
     got = turn(pool, runner, s, prompt_ids=ids(45, 1) + ids(20, 2))
-    pool.release(s)
+    s.release()
     assert got.num_reused == 45 and torch.equal(got.logits, expected)
     assert readers == ["ds4pool-prefetch"]
     pool.check_integrity()
@@ -232,7 +232,7 @@ def test_concurrent_demote_restore_and_drop_lose_nothing(
                 with book_lock:
                     tokens[key] = prompt
             finally:
-                pool.release(s)
+                s.release()
             want = reference.step([SeqInput(prompt, 0, list(range(5)))], return_logits=True)
             assert want.logits is not None
             if not torch.allclose(got.logits, want.logits[0], atol=1e-4):
@@ -268,9 +268,9 @@ def test_concurrent_demote_restore_and_drop_lose_nothing(
     assert {i.session_id for i in again.list_sessions()} == set(tokens)
     for key, prompt in tokens.items():
         s = again.acquire("t", key)
-        m = again.match_prefix(s, prompt_ids=prompt + [5])
-        assert m.num_reused == len(prompt), key  # the newest snapshot, whole
-        again.release(s)
+        m = s.prepare(prompt_ids=prompt + [5])
+        assert m.num_cached == len(prompt), key  # the newest snapshot, whole
+        s.release()
     again.close()
 
 
