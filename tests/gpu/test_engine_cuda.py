@@ -46,12 +46,16 @@ def test_batched_equals_solo_on_cuda(loaded: LoadedModel) -> None:
             for k, p in enumerate(prompts(loaded, 16))
         ]
 
-    solo_engine = Engine(EngineConfig(kv_device_gb=0.2, max_batch_size=1), loaded=loaded)
+    solo_engine = Engine(
+        EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", max_batch_size=1), loaded=loaded
+    )
     try:
         solo = [run(solo_engine, [r])[0] for r in reqs("a")]
     finally:
         solo_engine.close()
-    e = Engine(EngineConfig(kv_device_gb=0.2, max_batch_tokens=64), loaded=loaded)
+    e = Engine(
+        EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", max_batch_tokens=64), loaded=loaded
+    )
     try:
         together = run(e, reqs("b"))
     finally:
@@ -76,7 +80,9 @@ def session_kv(e: Engine, session_id: str) -> torch.Tensor:
 
 
 def test_tiers_round_trip_bitwise_on_cuda(loaded: LoadedModel, tmp_path: Path) -> None:
-    e = Engine(EngineConfig(kv_device_gb=0.2, kv_disk_dir=tmp_path), loaded=loaded)
+    e = Engine(
+        EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", kv_disk_dir=tmp_path), loaded=loaded
+    )
     try:
         p = prompts(loaded, 1)[0]
         run(e, [Request(session_id="s", prompt_text=p, max_tokens=8)])
@@ -102,7 +108,9 @@ def test_shared_block_files_round_trip_bitwise_on_cuda(loaded: LoadedModel, tmp_
         )
         for u in ("list the files", "run the tests")
     )
-    e = Engine(EngineConfig(kv_device_gb=0.2, kv_disk_dir=tmp_path), loaded=loaded)
+    e = Engine(
+        EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", kv_disk_dir=tmp_path), loaded=loaded
+    )
     try:
         run(e, [Request(session_id="a", prompt_text=a, max_tokens=8)])
         run(e, [Request(session_id="b", prompt_text=b, max_tokens=8)])

@@ -47,7 +47,7 @@ def test_bitmask_on_cuda_equals_cpu() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_constrained_and_free_rows_on_cuda(demo_dir: Path, dtype: str) -> None:
     loaded = load_model(str(demo_dir), torch.device("cuda"), getattr(torch, dtype))
-    e = Engine(EngineConfig(kv_device_gb=0.2), loaded=loaded)
+    e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy"), loaded=loaded)
     try:
         c = e.compile_constraint(json_schema_spec(SCHEMA, "schema"))
 

@@ -16,6 +16,7 @@ from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo import init_random_
 from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.moe import (
+    DECODE_MAX_PAIRS,
     SparseMoeBlock,
     expert_impl,
     experts_forward,
@@ -121,8 +122,8 @@ def test_fused_router_matches_the_torch_router(
 def test_auto_takes_the_decode_path_for_small_steps_only() -> None:
     needs("decode")
     assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=8) == "decode"
-    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=128) == "decode"
-    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=129) != "decode"
+    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=DECODE_MAX_PAIRS) == "decode"
+    assert expert_impl(CUDA, torch.bfloat16, "auto", pairs=DECODE_MAX_PAIRS + 1) != "decode"
     assert expert_impl(CUDA, torch.bfloat16, "auto") != "decode"  # the large-step choice
 
 

@@ -23,7 +23,10 @@ def loaded(demo_dir: Path) -> LoadedModel:
 
 def two_turns(loaded: LoadedModel, disk: Path, policy: str, tier: str) -> tuple[list, Engine]:
     e = Engine(
-        EngineConfig(kv_device_gb=0.05, kv_disk_dir=disk, restore_policy=policy), loaded=loaded
+        EngineConfig(
+            kv_device_gb=0.05, kv_disk_dir=disk, restore_policy=policy, cuda_graphs="lazy"
+        ),
+        loaded=loaded,
     )
     first = "an agent's system prompt and its first question, " * 20
     out = []
