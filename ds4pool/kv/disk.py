@@ -618,9 +618,7 @@ class DiskTier:
 
     def _lock_directory(self) -> list[int]:
         if not self.replica_id:
-            return [
-                _flock(self.directory / ".lock", fcntl.LOCK_EX, "another DiskTier or replica")
-            ]
+            return [_flock(self.directory / ".lock", fcntl.LOCK_EX, "another DiskTier or replica")]
         shared = _flock(self.directory / ".lock", fcntl.LOCK_SH, "a server without --replica-id")
         try:
             (self.directory / REPLICAS_DIR).mkdir(mode=0o700, exist_ok=True)

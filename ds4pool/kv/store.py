@@ -81,12 +81,22 @@ class SharedStore:
             self.observer.store_error("lease")
             return None
         self.observer.lease_claimed(result.claim.value)
+        if result.claim in (Claim.ACQUIRED, Claim.TAKEN_OVER):
+            log.info(
+                "store: session %s/%s: lease %s (held before by %s)",
+                *key,
+                result.claim.value,
+                result.previous or "nobody",
+            )
         if result.mine:
             with self._lock:
                 self._active[key] = self._clock()
         else:
-            log.info("store: session lease held by replica %s: serving without persisting",
-                     result.holder)
+            log.info(
+                "store: session %s/%s: lease held by replica %s, serving without persisting",
+                *key,
+                result.holder,
+            )
         return result
 
     def may_write(self, key: SessionKey) -> bool:

@@ -161,9 +161,9 @@ class LeaseStore:
         """Delete the lease file of a dropped session (if ours or not live)."""
         path = self.path_for(tenant, session_id)
         found = self._read(path)
-        if found is not None and (found[0].replica == self.replica_id or not found[0].live(
-            self._clock()
-        )):
+        if found is not None and (
+            found[0].replica == self.replica_id or not found[0].live(self._clock())
+        ):
             _unlink_quietly(path)
 
     def leases(self) -> dict[str, Lease]:
