@@ -100,11 +100,13 @@ def test_racing_takeovers_leave_exactly_one_holder(tmp_path: Path) -> None:
         results: dict[str, Claim] = {}
         barrier = threading.Barrier(len(racers))
 
-        def race(store: LeaseStore) -> None:
+        def race(
+            store: LeaseStore, sid: str, results: dict[str, Claim], barrier: threading.Barrier
+        ) -> None:
             barrier.wait()
             results[store.replica_id] = store.claim("t", sid).claim
 
-        threads = [threading.Thread(target=race, args=(r,)) for r in racers]
+        threads = [threading.Thread(target=race, args=(r, sid, results, barrier)) for r in racers]
         for t in threads:
             t.start()
         for t in threads:
@@ -215,3 +217,24 @@ def test_eviction_never_deletes_a_file_another_replica_rewrote(tmp_path: Path) -
     assert not a.path_for("acme", "s2").exists()
     leftovers = [n for n in os.listdir(tmp_path) if n.endswith(".evict") or n.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_the_cli_lists_the_stores_sessions_with_their_leases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ds4pool.cli import main
+
+    sa = SharedStore(tmp_path, "a")
+    a = tier(tmp_path, sa)
+    sa.claim(("acme", "agent-1"))
+    a.write(snap("agent-1", num_tokens=7))
+    a.write(snap("agent-2"))  # written without a lease file: shown without a holder
+    assert main(["sessions", "--json", "store", "--kv-disk-dir", str(tmp_path)]) == 0
+    rows = {r["session_id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["agent-1"]["holder"] == "a" and rows["agent-1"]["lease_live"]
+    assert rows["agent-1"]["num_tokens"] == 7 and rows["agent-2"]["holder"] is None
+    assert main(["sessions", "store", "--kv-disk-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "agent-1" in out and "a (live)" in out and "(2 snapshots in" in out
+    assert main(["sessions", "store", "--kv-disk-dir", str(tmp_path / "nope")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
