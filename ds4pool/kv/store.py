@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,9 +71,9 @@ class SharedStore:
             return False
         return lease is not None and lease.replica == self.replica_id
 
-    def claim(self, key: SessionKey) -> ClaimResult | None:
-        """Claim the session's lease for a request; None when the store failed (counted:
-        the caller serves without persisting, as under a foreign lease)."""
+    def claim(self, key: SessionKey, *, for_request: bool = True) -> ClaimResult | None:
+        """Claim the session's lease (for a request, or before a write); None when the store
+        failed (counted: the caller serves without persisting, as under a foreign lease)."""
         try:
             result = self.leases.claim(*key)
         except LeaseError as e:
@@ -91,7 +91,7 @@ class SharedStore:
         if result.mine:
             with self._lock:
                 self._active[key] = self._clock()
-        else:
+        elif for_request:  # the writer retries idle sessions: logged once, by the request
             log.info(
                 "store: session %s/%s: lease held by replica %s, serving without persisting",
                 *key,
@@ -102,7 +102,7 @@ class SharedStore:
     def may_write(self, key: SessionKey) -> bool:
         """Claim (or renew) the lease before a snapshot write; False under a live foreign
         lease or when the store failed."""
-        result = self.claim(key)
+        result = self.claim(key, for_request=False)
         return result is not None and result.mine
 
     def release(self, key: SessionKey) -> None:
@@ -124,11 +124,15 @@ class SharedStore:
             log.error("store: removing a lease: %s", e)
             self.observer.store_error("lease")
 
-    def renew_active(self) -> int:
-        """Renew the leases of sessions used within the ttl; forget the rest (their leases
-        run out, so another replica may take them over). Returns how many were renewed."""
+    def renew_active(self, busy: Collection[SessionKey] = ()) -> int:
+        """Renew the leases of sessions used within the ttl or `busy` (a request runs);
+        forget the rest (their leases run out, so another replica may take them over).
+        Returns how many were renewed."""
         now = self._clock()
         with self._lock:
+            for k in busy:
+                if k in self._active:
+                    self._active[k] = now
             keys = [k for k, used in self._active.items() if now - used < self.ttl_s]
             for k in [k for k in self._active if k not in keys]:
                 del self._active[k]
@@ -168,10 +172,14 @@ class SharedStore:
 
 
 class LeaseKeeper:
-    """The `ds4pool-leases` thread: renews active leases every ttl/3."""
+    """The `ds4pool-leases` thread: renews active leases every ttl/3. `busy()` lists the
+    sessions with a request running (their leases are renewed however long it runs)."""
 
-    def __init__(self, store: SharedStore) -> None:
+    def __init__(
+        self, store: SharedStore, busy: Callable[[], Collection[SessionKey]] = lambda: ()
+    ) -> None:
         self.store = store
+        self._busy = busy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds4pool-leases", daemon=True)
         self._thread.start()
@@ -179,7 +187,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self.store.ttl_s / 3):
             try:
-                self.store.renew_active()
+                self.store.renew_active(self._busy())
             except Exception:  # never let the keeper die: log and carry on
                 log.exception("lease keeper: unexpected error")
 

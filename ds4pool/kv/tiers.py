@@ -116,7 +116,7 @@ class Tiers:
                 on_io=observer.store_io,
             )
             if self.store is not None:
-                self._keeper = LeaseKeeper(self.store)
+                self._keeper = LeaseKeeper(self.store, self._in_flight_keys)
             self.order = SnapshotOrder(self.disk)
             self._index_disk(self.disk)
         self.writer = (
@@ -271,6 +271,11 @@ class Tiers:
         self.ram.pop(s.key)
         self._drop_host(s)
         s.tier = Tier.NONE
+        self._foreign.discard(s.key)
+
+    def _in_flight_keys(self) -> list[SessionKey]:
+        with self._lock:
+            return [k for k, s in self._sessions.items() if s.in_flight and not s.ephemeral]
 
     def adopt(self, key: SessionKey) -> Session | None:
         """Shared store, on a miss: the key's snapshot as the store holds it, indexed (header

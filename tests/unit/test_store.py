@@ -238,3 +238,14 @@ def test_the_cli_lists_the_stores_sessions_with_their_leases(
     assert "agent-1" in out and "a (live)" in out and "(2 snapshots in" in out
     assert main(["sessions", "store", "--kv-disk-dir", str(tmp_path / "nope")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_running_request_keeps_its_lease_however_long_it_runs(tmp_path: Path) -> None:
+    clock = Clock()
+    a = SharedStore(tmp_path, "a", ttl_s=30, clock=clock)
+    b = SharedStore(tmp_path, "b", ttl_s=30, clock=clock)
+    a.claim(("t", "long"))
+    for _ in range(6):  # a 2-minute request: no release, so no touch(), but it is busy
+        clock.now += 20
+        a.renew_active(busy=[("t", "long")])
+    assert not b.may_write(("t", "long"))
