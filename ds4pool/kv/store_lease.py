@@ -1,24 +1,23 @@
 """Session leases in a shared snapshot store: which replica may write a session's snapshot.
 
-One small file per session, `leases/<sha256 of the key>.lease` (the same hash as the
-session's snapshot file: never the raw id), holding JSON `{"replica", "expires", "token"}`.
-No flock (unreliable on NFS): a lease is made visible by `link(tmp, path)`, which fails with
-EEXIST when one is there, and replaced by `rename(tmp, path)`, both atomic on a local
-filesystem and on NFS. A released lease stays as a file with `expires` 0, so the next holder
-knows who held it last (and so whether its own copy of the session may be stale).
+One small directory per session, `leases/<sha256 of the key>/` (the same hash as the
+session's snapshot file: never the raw id), holding numbered generations `000000000001`,
+`000000000002`, ...: the highest is the lease, JSON `{"replica", "expires", "token"}`. No
+flock (unreliable on NFS): a generation is made visible by `link(tmp, name)`, which fails with
+EEXIST when the name exists, so of replicas racing to take an expired lease over, exactly
+one creates generation g + 1. Its holder renews and releases it in place (`rename(tmp,
+name)`); a released lease stays with `expires` 0, so the next holder knows who held it last
+(and so whether its own copy of the session may be stale). The new holder removes the older
+generations.
 
-States of a lease file, as `claim()` sees them:
+    no generation ──link g=1──► mine, live ──renew (rename onto g)──► mine, live
+                                   │ release                          │ no renewal for ttl_s
+                                   ▼                                  ▼
+                                released ◄───────────────────── expired
+                                   └──claim by anyone: link g+1──► that replica's, live
 
-    absent ──link──► mine, live ──renew (rename)──► mine, live
-                        │ release                     │ no renewal for ttl_s
-                        ▼                             ▼
-                     released ◄──────────────── expired ──claim by another──► theirs, live
-                        └──claim by anyone (rename)──► mine, live
-
-Taking over an expired or released lease renames the old file aside first (`.stale.*`), then
-links the new one: of two replicas racing for it, only one link succeeds. The one window left
-(A reads "expired", B takes it over, A renames B's fresh lease aside) is closed by comparing
-the inode A judged with the one it renamed, and linking B's back when they differ.
+A holder that renews late (after its lease expired) may find a higher generation: it has
+lost the lease and says so (FOREIGN).
 
 Clock: expiries are wall-clock times, so replicas sharing a store need synchronised clocks
 (NTP); ttl_s should be many times the worst skew.
@@ -30,18 +29,18 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from ds4pool.kv.disk import session_file_name
+from ds4pool.kv.disk import SNAP_SUFFIX, session_file_name
 
 log = logging.getLogger(__name__)
 
 LEASE_DIR = "leases"
-LEASE_SUFFIX = ".lease"
 REPLICA_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 
@@ -114,8 +113,8 @@ class LeaseStore:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path_for(self, tenant: str, session_id: str) -> Path:
-        name = session_file_name(tenant, session_id).rsplit(".", 1)[0]
-        return self.directory / (name + LEASE_SUFFIX)
+        """The session's lease directory."""
+        return self.directory / session_file_name(tenant, session_id).rsplit(".", 1)[0]
 
     # ------------------------------------------------------------ public API
 
@@ -127,24 +126,28 @@ class LeaseStore:
         """Take, renew or take over the session's lease; FOREIGN if another replica holds it
         live. Raises LeaseError when the store cannot be read or written."""
         path = self.path_for(tenant, session_id)
-        for _ in range(8):  # each retry means another replica changed the file meanwhile
+        for _ in range(8):  # each retry means another replica changed the lease meanwhile
             found = self._read(path)
             now = self._clock()
             if found is None:
-                if self._link_new(path):
+                if self._link(path, 1):
                     return ClaimResult(Claim.ACQUIRED, self.replica_id, None)
                 continue
-            lease, ino = found
+            lease, gen = found
             if lease.replica != self.replica_id and lease.live(now):
                 return ClaimResult(Claim.FOREIGN, lease.replica, lease.replica)
             if lease.replica == self.replica_id and lease.live(now):
-                self._write(path, replace=True)
+                self._rewrite(path, gen, now + self.ttl_s)
+                newer = self._read(path)
+                if newer is not None and newer[1] > gen:  # taken over while we were late
+                    return ClaimResult(Claim.FOREIGN, newer[0].replica, self.replica_id)
                 return ClaimResult(Claim.RENEWED, self.replica_id, lease.replica)
-            if self._replace_stale(path, ino):
+            if self._link(path, gen + 1):
+                self._remove_below(path, gen + 1)
                 took = lease.replica != self.replica_id and lease.expires > 0
-                claim = Claim.TAKEN_OVER if took else Claim.ACQUIRED
                 if took:
                     log.info("store: took over the lease %s from %s", path.name, lease.replica)
+                claim = Claim.TAKEN_OVER if took else Claim.ACQUIRED
                 return ClaimResult(claim, self.replica_id, lease.replica)
         raise LeaseError(f"lease {path.name}: kept changing under us (8 attempts)")
 
@@ -154,50 +157,68 @@ class LeaseStore:
         found = self._read(path)
         if found is None or found[0].replica != self.replica_id:
             return False
-        self._write(path, replace=True, expires=0.0)
+        self._rewrite(path, found[1], 0.0)
         return True
 
     def remove(self, tenant: str, session_id: str) -> None:
-        """Delete the lease file of a dropped session (if ours or not live)."""
+        """Delete the lease of a dropped session (if ours or not live)."""
         path = self.path_for(tenant, session_id)
         found = self._read(path)
         if found is not None and (
             found[0].replica == self.replica_id or not found[0].live(self._clock())
         ):
-            _unlink_quietly(path)
+            shutil.rmtree(path, ignore_errors=True)
 
     def leases(self) -> dict[str, Lease]:
-        """Every lease file by snapshot file name (admin listings, tests)."""
+        """Every lease by snapshot file name (admin listings, tests)."""
         out: dict[str, Lease] = {}
         for item in os.scandir(self.directory):
-            if item.name.endswith(LEASE_SUFFIX):
+            if item.is_dir() and not item.name.startswith("."):
                 found = self._read(Path(item.path))
                 if found is not None:
-                    out[item.name.removesuffix(LEASE_SUFFIX) + ".snap"] = found[0]
+                    out[item.name + SNAP_SUFFIX] = found[0]
         return out
 
     # ------------------------------------------------------------ files
 
-    def _read(self, path: Path) -> tuple[Lease, int] | None:
+    @staticmethod
+    def _generations(path: Path) -> list[int]:
         try:
-            with open(path, "rb") as f:
-                raw, ino = f.read(4096), os.fstat(f.fileno()).st_ino
+            names = os.listdir(path)
         except FileNotFoundError:
-            return None
+            return []
         except OSError as e:
-            raise LeaseError(e.errno, f"reading lease {path.name}: {e.strerror}") from e
-        try:
-            doc = json.loads(raw)
-            return Lease(str(doc["replica"]), float(doc["expires"]), str(doc["token"])), ino
-        except (ValueError, KeyError, TypeError):
-            # a torn or foreign file: treat it as an expired lease of nobody (taken over)
-            log.warning("store: unreadable lease %s, treating it as expired", path.name)
-            return Lease("?", -1.0, ""), ino
+            raise LeaseError(e.errno, f"listing lease {path.name}: {e.strerror}") from e
+        return sorted((int(n) for n in names if n.isdigit()), reverse=True)
 
-    def _temp(self, expires: float) -> Path:
+    def _read(self, path: Path) -> tuple[Lease, int] | None:
+        """The highest generation and its number; None when there is none."""
+        for _ in range(8):  # a generation removed between listing and opening: list again
+            gens = self._generations(path)
+            if not gens:
+                return None
+            try:
+                with open(path / f"{gens[0]:012d}", "rb") as f:
+                    raw = f.read(4096)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise LeaseError(e.errno, f"reading lease {path.name}: {e.strerror}") from e
+            try:
+                doc = json.loads(raw)
+                lease = Lease(str(doc["replica"]), float(doc["expires"]), str(doc["token"]))
+            except (ValueError, KeyError, TypeError):
+                # a torn or foreign file: an expired lease of nobody (taken over)
+                log.warning("store: unreadable lease %s, treating it as expired", path.name)
+                lease = Lease("?", -1.0, "")
+            return lease, gens[0]
+        raise LeaseError(f"lease {path.name}: generations kept vanishing")
+
+    def _temp(self, path: Path, expires: float) -> Path:
         doc = {"replica": self.replica_id, "expires": expires, "token": secrets.token_hex(8)}
-        tmp = self.directory / f".{self.replica_id}.{secrets.token_hex(6)}.tmp"
+        tmp = path / f".{self.replica_id}.{secrets.token_hex(6)}.tmp"
         try:
+            path.mkdir(mode=0o700, exist_ok=True)
             with open(tmp, "x") as f:
                 json.dump(doc, f)
                 f.flush()
@@ -207,48 +228,39 @@ class LeaseStore:
             raise LeaseError(e.errno, f"writing a lease: {e.strerror}") from e
         return tmp
 
-    def _write(self, path: Path, *, replace: bool, expires: float | None = None) -> None:
-        tmp = self._temp(self._clock() + self.ttl_s if expires is None else expires)
+    def _rewrite(self, path: Path, gen: int, expires: float) -> None:
+        """Renew or release our generation in place."""
+        tmp = self._temp(path, expires)
         try:
-            os.replace(tmp, path)
+            os.replace(tmp, path / f"{gen:012d}")
         except OSError as e:
             _unlink_quietly(tmp)
             raise LeaseError(e.errno, f"renewing lease {path.name}: {e.strerror}") from e
 
-    def _link_new(self, path: Path) -> bool:
-        """Make a new lease visible unless one appeared meanwhile."""
-        tmp = self._temp(self._clock() + self.ttl_s)
+    def _link(self, path: Path, gen: int) -> bool:
+        """Create generation `gen` holding our lease; False if another replica did first."""
         try:
-            os.link(tmp, path)
+            tmp = self._temp(path, self._clock() + self.ttl_s)
+        except LeaseError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                return False  # the directory was removed (a dropped session) meanwhile
+            raise
+        try:
+            os.link(tmp, path / f"{gen:012d}")
             return True
         except FileExistsError:
+            return False
+        except FileNotFoundError:
             return False
         except OSError as e:
             raise LeaseError(e.errno, f"creating lease {path.name}: {e.strerror}") from e
         finally:
             _unlink_quietly(tmp)
 
-    def _replace_stale(self, path: Path, judged_ino: int) -> bool:
-        """Rename the expired/released lease we read aside and link ours; False if another
-        replica got there first (the caller reads again)."""
-        aside = path.with_name(f".{path.name}.stale.{self.replica_id}.{secrets.token_hex(4)}")
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return False  # someone else renamed it first
-        except OSError as e:
-            raise LeaseError(e.errno, f"taking over lease {path.name}: {e.strerror}") from e
-        try:
-            if os.stat(aside).st_ino != judged_ino:
-                # we renamed a lease written after our read (another replica's fresh one)
-                try:
-                    os.link(aside, path)
-                except FileExistsError:
-                    pass  # a third one linked meanwhile: it holds it now
-                return False
-            return self._link_new(path)
-        finally:
-            _unlink_quietly(aside)
+    def _remove_below(self, path: Path, gen: int) -> None:
+        for old in self._generations(path):
+            if old < gen:
+                _unlink_quietly(path / f"{old:012d}")
 
 
 def _unlink_quietly(path: Path) -> None:

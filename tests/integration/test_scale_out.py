@@ -34,6 +34,7 @@ import pytest
 from ds4pool.bench.agents import Workload, code_text, make_vocab, system_prompt
 from ds4pool.cli import main as cli_main
 from ds4pool.kv.store import list_store
+from ds4pool.kv.store_lease import LeaseStore
 from tests.integration.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -353,9 +354,9 @@ def test_replicas_behind_haproxy_survive_a_killed_replica(
         for line in text.splitlines():
             if line.startswith("ds4pool_snapshot_errors_total{"):
                 assert line.endswith(" 0.0"), (name, line)
-    for lease in (store / "leases").glob("*.lease"):
-        doc = json.loads(lease.read_text())
-        assert doc["replica"] in {r.name for r in replicas}
+    leases = LeaseStore(store, "check").leases()  # reads only
+    assert len(leases) == AGENTS
+    assert {lease.replica for lease in leases.values()} <= {r.name for r in replicas}
     takeovers = sum(
         float(m.group(1))
         for text in metrics.values()

@@ -77,15 +77,17 @@ def test_lease_files_are_named_by_hash_and_hold_no_session_id(tmp_path: Path) ->
     (a,) = leases(tmp_path, Clock(), "a")
     a.claim("tenant-x", "secret-session")
     names = os.listdir(tmp_path / "leases")
-    assert len(names) == 1 and names[0].endswith(".lease")
-    raw = (tmp_path / "leases" / names[0]).read_text()
+    assert len(names) == 1 and len(names[0]) == 64  # the sha256 of the key
+    assert os.listdir(tmp_path / "leases" / names[0]) == ["000000000001"]
+    raw = (tmp_path / "leases" / names[0] / "000000000001").read_text()
     assert "secret-session" not in raw and "tenant-x" not in raw
     assert json.loads(raw)["replica"] == "a"
 
 
 def test_a_torn_lease_file_is_taken_over(tmp_path: Path) -> None:
     (a,) = leases(tmp_path, Clock(), "a")
-    a.path_for("t", "s").write_text('{"replica": "b", "exp')
+    a.path_for("t", "s").mkdir()
+    (a.path_for("t", "s") / "000000000001").write_text('{"replica": "b", "exp')
     got = a.claim("t", "s")
     assert got.mine and a.read("t", "s").replica == "a"  # type: ignore[union-attr]
 
@@ -114,8 +116,8 @@ def test_racing_takeovers_leave_exactly_one_holder(tmp_path: Path) -> None:
         winners = [name for name, c in results.items() if c is not Claim.FOREIGN]
         assert len(winners) == 1, results
         assert old.read("t", sid).replica == winners[0]  # type: ignore[union-attr]
-    left = [n for n in os.listdir(tmp_path / "leases") if not n.endswith(".lease")]
-    assert left == []  # no temp or aside files left behind
+    for d in os.listdir(tmp_path / "leases"):  # one generation each, no temp files left
+        assert os.listdir(tmp_path / "leases" / d) == ["000000000002"], d
 
 
 def test_replica_ids_are_safe_file_names() -> None:

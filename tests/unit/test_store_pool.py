@@ -158,8 +158,8 @@ def test_store_metrics_count_takeovers_foreign_restores_bytes_and_errors(
     assert value(mb, "ds4pool_store_lease_claims_total", result="taken_over") == 1
     assert value(mb, "ds4pool_store_foreign_restores_total") == 1
     assert value(mb, "ds4pool_store_bytes_total", op="read") == written
-    # a lease file the store cannot read (here: a directory in its place)
-    a.tiers.store.leases.path_for("t", "other").mkdir()  # type: ignore[union-attr]
+    # a lease the store cannot read (here: a file where its directory should be)
+    a.tiers.store.leases.path_for("t", "other").write_text("x")  # type: ignore[union-attr]
     a.open_from_store("t", "other")
     assert value(ma, "ds4pool_store_errors_total", kind="lease") == 1
     a.close()
