@@ -73,15 +73,15 @@ def turn(pool: SessionPool, sid: str, ids: list[int], chunk: int) -> tuple[float
     pool.open_from_store(TENANT, sid)
     s = pool.acquire(TENANT, sid)
     try:
-        m = pool.match_prefix(s, prompt_ids=ids)
-        pool.restore(s)
-        pool.ensure_blocks(s, len(ids))
-        prefill(runner, s, ids, m.num_reused, chunk)
+        m = s.prepare(prompt_ids=ids)
+        s.restore()
+        s.reserve(len(ids))
+        prefill(runner, s, ids, m.num_cached, chunk)
         ttft = time.perf_counter() - t0
-        pool.commit(s, ids, "", len(ids))
+        s.commit(ids, "", len(ids))
     finally:
-        pool.release(s)
-    return ttft, m.num_reused
+        s.release()
+    return ttft, m.num_cached
 
 
 def main() -> None:

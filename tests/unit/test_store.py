@@ -251,3 +251,34 @@ def test_a_running_request_keeps_its_lease_however_long_it_runs(tmp_path: Path) 
         clock.now += 20
         a.renew_active(busy=[("t", "long")])
     assert not b.may_write(("t", "long"))
+
+
+def test_replicas_share_block_files_and_never_delete_one_another_may_list(
+    tmp_path: Path,
+) -> None:
+    from tests.unit.test_block_files import FP as BFP
+    from tests.unit.test_block_files import blocks, session
+    from tests.unit.test_block_files import same as same_blocks
+
+    sa, sb = SharedStore(tmp_path, "a"), SharedStore(tmp_path, "b")
+    a = DiskTier(tmp_path, 1 << 20, BFP, replica_id="a", owns=sa.owns)
+    b = DiskTier(tmp_path, 1 << 20, BFP, replica_id="b", owns=sb.owns)
+    x, y = session("x", [1, 2]), session("y", [3])
+    sa.claim(("acme", "x"))
+    a.write(x)  # writes the three block files and x's session file
+    sb.claim(("acme", "y"))
+    b.write(y)  # the same prefix: b never indexed a's block files, renames equal ones over
+    assert len(blocks(tmp_path)) == 3
+    assert b.adopt("acme", "x") is not None  # b indexes x's block files too
+    assert same_blocks(b.read("acme", "x"), x)
+    a.delete("acme", "x")  # a's last session listing the blocks goes: the files stay
+    assert len(blocks(tmp_path)) == 3
+    assert same_blocks(b.read("acme", "y"), y)
+    b.close()
+    a.close()
+    a2 = DiskTier(tmp_path, 1 << 20, BFP, replica_id="a", owns=SharedStore(tmp_path, "a").owns)
+    assert a2.keys() == [] and len(blocks(tmp_path)) == 3  # a's start keeps b's block files
+    a2.close()
+    b2 = DiskTier(tmp_path, 1 << 20, BFP, replica_id="b", owns=SharedStore(tmp_path, "b").owns)
+    assert same_blocks(b2.read("acme", "y"), y)
+    b2.close()

@@ -49,7 +49,7 @@ def serve(pool: SessionPool, prompt: list[int], sid: str = "agent-1"):  # noqa: 
     pool.open_from_store("t", sid)
     s = pool.acquire("t", sid)
     got = turn(pool, pool_runner(pool), s, prompt_ids=prompt)
-    pool.release(s)
+    s.release()
     return got
 
 
