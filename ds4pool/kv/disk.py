@@ -666,7 +666,11 @@ class DiskTier:
                 _unlink_quietly(entry.path)
         orphans = [k for k in blocks if not self._blocks.refs[k]]
         if orphans:
-            log.info("disk tier: removing %d block files no session lists", len(orphans))
+            log.info(
+                "disk tier: %s %d block files no session of ours lists",
+                "not indexing (another replica's may)" if self.replica_id else "removing",
+                len(orphans),
+            )
         self._blocks.collect(orphans)
         for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
             log.info("disk tier: evicted %s at start (over budget)", entry.path.name)

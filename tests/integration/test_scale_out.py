@@ -82,6 +82,9 @@ def serve(demo_dir: Path, port: int, log: Path, *extra: str) -> subprocess.Popen
         DS4POOL_KV_PERSIST_IDLE_S="1",
         OMP_NUM_THREADS="1",
         DS4POOL_ADMIN_TOKEN=ADMIN,
+        # read a snapshot back rather than let the cost model (kv/cost.py) recompute a
+        # short one: the resume check below is about what the store holds
+        DS4POOL_RESTORE_POLICY="always",
     )
     cmd = [
         sys.executable,
