@@ -60,6 +60,7 @@ def replica(loaded: LoadedModel, store: Path, name: str, tokens: int) -> Session
         persist_idle_s=0,
         persist_every_tokens=0,
         replica_id=name,
+        restore_policy="always",  # measure the read (kv/cost.py could pick recompute)
     )
     pool = SessionPool(cfg, DeviceKV(runner.kv_caches, runner.layout), fingerprint_for(loaded))
     pool.bench_runner = runner  # type: ignore[attr-defined]
