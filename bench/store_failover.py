@@ -118,7 +118,7 @@ def main() -> None:
         a.evict(TENANT, sid, "disk")  # written to the store; the device blocks freed
     a.close()  # releases the leases
     b = replica(loaded, store, "b", total)
-    turn(b, "warm-up", random_ids(args.chunk + args.new_tokens), args.chunk)
+    turn(b, "warm-up", random_ids(min(args.chunk, args.context) + args.new_tokens), args.chunk)
     b.drop(TENANT, "warm-up")
     moved, fresh = [], []
     for i, sid in enumerate(sids):
