@@ -15,6 +15,7 @@ from ds4pool.kv.cost import RestorePolicy
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.snapshot import ModelFingerprint
+from ds4pool.kv.store_lease import validate_replica_id
 from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
 from ds4pool.model.device import select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
@@ -85,6 +86,10 @@ class EngineConfig:
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"
     graph_capture_s: float = 120.0
+    # Shared snapshot store: this replica's id; kv_disk_dir is the directory the replicas
+    # share (kv/store.py). None: a private disk tier.
+    replica_id: str | None = None
+    lease_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("kv_block_size", "max_batch_tokens", "max_batch_size"):
@@ -109,6 +114,12 @@ class EngineConfig:
             raise ValueError(f"restore_policy must be one of {', '.join(RESTORE_POLICIES)}")
         if not self.aging_s > 0:  # the queue divides by it (0 failed every step)
             raise ValueError("aging_s must be > 0")
+        if self.replica_id is not None:
+            validate_replica_id(self.replica_id)
+            if self.kv_disk_dir is None:
+                raise ValueError("--replica-id needs --kv-disk-dir (the shared store)")
+            if not self.lease_ttl_s > 0:
+                raise ValueError("lease_ttl_s must be > 0")
 
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
@@ -192,6 +203,8 @@ class Engine:
                 persist_every_tokens=cfg.kv_persist_every_tokens,
                 acquire_timeout_s=cfg.session_wait_s,
                 restore_policy=cfg.restore_policy,
+                replica_id=cfg.replica_id,
+                lease_ttl_s=cfg.lease_ttl_s,
             ),
             DeviceKV(self.runner.kv_caches, self.runner.layout),
             fingerprint_for(loaded),
@@ -240,6 +253,17 @@ class Engine:
 
     def submit(self, req: Request) -> RequestStream:
         return self.scheduler.submit(req)
+
+    @property
+    def shares_store(self) -> bool:
+        """Several replicas share the disk tier (--replica-id): see open_session."""
+        return self.pool.tiers.store is not None
+
+    def open_session(self, tenant: str, session_id: str | None) -> None:
+        """Before submitting a request of a shared-store replica: claim the session's lease
+        and find its snapshot if another replica wrote it (kv/pool.py open_from_store).
+        Blocking file I/O: call it from a worker thread."""
+        self.pool.open_from_store(tenant, session_id)
 
     def pin_prefix(self, tenant: str, token_ids: list[int], timeout: float = 600.0) -> PrefixInfo:
         """Pin a prefix (a system prompt's tokens) for a tenant's sessions to share, and

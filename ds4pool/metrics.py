@@ -125,6 +125,10 @@ KNOWN_MOVES = (
 RESTORE_TIERS = ("ram", "disk")  # the tier a restore reads from
 RESTORE_CHOICES = ("read", "recompute")  # kv/cost.py's decision for a returning session
 REJECT_REASONS = ("queue_full", "tenant_queue_full", "draining")
+# shared snapshot store (--replica-id): how lease claims ended, snapshot I/O directions
+LEASE_CLAIMS = ("renewed", "acquired", "taken_over", "foreign")
+STORE_OPS = ("read", "write")
+STORE_ERROR_KINDS = ("lease",)
 
 # ds4pool_snapshot_errors_total{kind}: the disk tier's ERROR_KINDS folded into a small set
 # that says what an operator has to do:
@@ -339,6 +343,33 @@ class Metrics:
             registry=r,
         )
 
+        # -- shared snapshot store (replicas)
+        self.store_foreign_restores = Counter(
+            "ds4pool_store_foreign_restores_total",
+            "Sessions restored from a snapshot that another replica wrote (shared store).",
+            registry=r,
+        )
+        self.lease_claims = Counter(
+            "ds4pool_store_lease_claims_total",
+            "Session lease claims in the shared store by result: renewed, acquired, "
+            "taken_over (another replica's lease had expired), foreign (served, not persisted).",
+            ["result"],
+            registry=r,
+        )
+        self.store_bytes = Counter(
+            "ds4pool_store_bytes_total",
+            "Snapshot bytes read from and written to the disk tier (the shared store).",
+            ["op"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "ds4pool_store_errors_total",
+            "Lease files that could not be read or written (snapshot failures are "
+            "ds4pool_snapshot_errors_total).",
+            ["kind"],
+            registry=r,
+        )
+
         # -- tokens and requests
         self.prompt_tokens = Counter(
             "ds4pool_prompt_tokens_total",
@@ -377,7 +408,9 @@ class Metrics:
         self.build_info = Info(
             "ds4pool_build", "The model and runtime this server runs.", registry=r
         )
-        self.build_info.info({"model": "", "device": "", "dtype": "", "version": __version__})
+        self.build_info.info(
+            {"model": "", "device": "", "dtype": "", "version": __version__, "replica": ""}
+        )
 
         self._precreate()
 
@@ -400,6 +433,12 @@ class Metrics:
             self.snapshot_errors.labels(kind)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
+        for claim in LEASE_CLAIMS:
+            self.lease_claims.labels(claim)
+        for op in STORE_OPS:
+            self.store_bytes.labels(op)
+        for kind in STORE_ERROR_KINDS:
+            self.store_errors.labels(kind)
         for tier in TIERS:
             self.sessions.labels(tier)
             self.kv_bytes.labels(tier)
@@ -423,6 +462,7 @@ class Metrics:
                 "device": str(loaded.device),
                 "dtype": str(loaded.dtype).removeprefix("torch."),
                 "version": __version__,
+                "replica": engine.cfg.replica_id or "",
             }
         )
         self.engine = engine
@@ -525,6 +565,18 @@ class MetricsPoolObserver(PoolObserver):
         self.m.restore_decisions.labels(
             _pick(tier, RESTORE_TIERS), _pick(choice, RESTORE_CHOICES)
         ).inc()
+
+    def lease_claimed(self, claim: str) -> None:
+        self.m.lease_claims.labels(_pick(claim, LEASE_CLAIMS)).inc()
+
+    def store_error(self, kind: str) -> None:
+        self.m.store_errors.labels(_pick(kind, STORE_ERROR_KINDS)).inc()
+
+    def store_io(self, op: str, num_bytes: int) -> None:
+        self.m.store_bytes.labels(_pick(op, STORE_OPS)).inc(num_bytes)
+
+    def foreign_restored(self) -> None:
+        self.m.store_foreign_restores.inc()
 
 
 def collect_gauges(metrics: Metrics, engine: Engine) -> None:

@@ -144,6 +144,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(k, "--kv-disk-gb", type=float, default=32.0, help="disk tier budget")
     _flag(
         k,
+        "--replica-id",
+        default=None,
+        help="this replica's name when several share --kv-disk-dir as one snapshot store "
+        "(session leases, docs/OPERATIONS.md); default: a private disk tier",
+    )
+    _flag(
+        k,
+        "--lease-ttl-s",
+        type=float,
+        default=30.0,
+        help="a session's store lease expires this long after its last use (--replica-id)",
+    )
+    _flag(
+        k,
         "--kv-persist-idle-s",
         type=float,
         default=30.0,
@@ -212,6 +226,14 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         help="cancel requests running longer (0: no limit)",
     )
     _flag(s, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _flag(
+        s,
+        "--drain-grace-s",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, answer /ready 503 this long before closing the listener, so a load "
+        "balancer's health check takes the replica out first",
+    )
     o = p.add_argument_group("model output")
     _flag(
         o,
@@ -249,6 +271,8 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             kv_persist_idle_s=args.kv_persist_idle_s,
             kv_persist_every_tokens=args.kv_persist_every_tokens,
             restore_policy=args.restore_policy,
+            replica_id=args.replica_id or None,
+            lease_ttl_s=args.lease_ttl_s,
             max_batch_tokens=args.max_batch_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
             max_prefill_cost=args.max_prefill_cost,
@@ -287,6 +311,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ds4pool.api.app import create_app
+    from ds4pool.serve_drain import DrainingServer
 
     cfg = build_config(args)
     logging.basicConfig(
@@ -303,13 +328,15 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     app = create_app(cfg, engine, metrics=metrics, own_engine=True)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             log_level=args.log_level,
             timeout_graceful_shutdown=30,
             access_log=False,
-        )
+        ),
+        app.state.api,
+        args.drain_grace_s,
     )
     with _sigterm_is_a_clean_stop():
         server.run(sockets=[sock])

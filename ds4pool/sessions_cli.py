@@ -1,10 +1,16 @@
-"""`ds4pool sessions ...`: the admin API from the command line (stdlib HTTP only)."""
+"""`ds4pool sessions ...`: the admin API from the command line (stdlib HTTP only).
+
+`--url` repeated (or DS4POOL_URL comma-separated) addresses several replicas: `list` merges
+their sessions with a REPLICA column, other actions run on each and print one result per
+replica. `store --kv-disk-dir DIR` lists the snapshots of a shared store directly (headers
+and leases only; it needs the directory mounted, not a server)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -15,7 +21,12 @@ from ds4pool.errors import Ds4poolError
 
 def add_sessions_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sessions", help="list and manage sessions of a running server (admin)")
-    p.add_argument("--url", default=os.environ.get("DS4POOL_URL", "http://127.0.0.1:8000"))
+    p.add_argument(
+        "--url",
+        action="append",
+        help="a server's base URL; repeat for every replica (default: $DS4POOL_URL, "
+        "comma-separated, or http://127.0.0.1:8000)",
+    )
     p.add_argument("--admin-token", default=os.environ.get("DS4POOL_ADMIN_TOKEN"))
     p.add_argument("--json", action="store_true", help="print raw JSON")
     act = p.add_subparsers(dest="action", required=True)
@@ -43,11 +54,21 @@ def add_sessions_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("prefix_id")
     act.add_parser("flush", help="persist every changed session to disk")
     act.add_parser("pool", help="usage per tier, queue depth")
+    st = act.add_parser("store", help="snapshots in a shared store directory, with leases")
+    st.add_argument("--kv-disk-dir", required=True, help="the store directory (mounted here)")
+    st.add_argument("--tenant")
     p.set_defaults(func=run_sessions)
 
 
+def urls(args: argparse.Namespace) -> list[str]:
+    if args.url:
+        return list(args.url)
+    env = os.environ.get("DS4POOL_URL", "")
+    return [u for u in env.split(",") if u] or ["http://127.0.0.1:8000"]
+
+
 def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
-    url = args.url.rstrip("/") + path
+    url = args.base.rstrip("/") + path
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
@@ -63,7 +84,7 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
             message = exc.reason
         raise Ds4poolError(f"{method} {path}: HTTP {exc.code}: {message}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise Ds4poolError(f"cannot reach {args.url}: {exc}") from None
+        raise Ds4poolError(f"cannot reach {args.base}: {exc}") from None
 
 
 def _key(args: argparse.Namespace) -> str:
@@ -79,6 +100,86 @@ def _prefix_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_sessions(args: argparse.Namespace) -> int:
+    if args.action == "store":
+        return _store(args)
+    bases = urls(args)
+    if len(bases) == 1:
+        args.base = bases[0]
+        return _one(args)
+    if args.action == "list":
+        return _list_all(args, bases)
+    results = {}
+    for base in bases:
+        args.base = base
+        results[base] = _action(args)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def _one(args: argparse.Namespace) -> int:
+    out = _action(args)
+    if args.json or args.action != "list":
+        print(json.dumps(out, indent=2))
+        return 0
+    _print_sessions([(None, s) for s in out["data"]])
+    print(f"({len(out['data'])} of {out['total']})")
+    return 0
+
+
+def _list_all(args: argparse.Namespace, bases: list[str]) -> int:
+    rows: list[tuple[str | None, dict[str, Any]]] = []
+    total = 0
+    for base in bases:
+        args.base = base
+        out = _action(args)
+        rows += [(base, s) for s in out["data"]]
+        total += out["total"]
+    if args.json:
+        print(json.dumps([{"replica": b, **s} for b, s in rows], indent=2))
+        return 0
+    _print_sessions(rows)
+    print(f"({len(rows)} of {total} on {len(bases)} replicas)")
+    return 0
+
+
+def _print_sessions(rows: list[tuple[str | None, dict[str, Any]]]) -> None:
+    head = f"{'REPLICA':<28} " if rows and rows[0][0] is not None else ""
+    print(
+        f"{head}{'TENANT':<16} {'SESSION':<32} {'TIER':<7} {'TOKENS':>8} {'KV MB':>8} {'HITS':>5}"
+    )
+    for base, s in rows:
+        lead = f"{base:<28} " if base is not None else ""
+        print(
+            f"{lead}{s['tenant']:<16} {s['session_id']:<32} {s['tier']:<7} "
+            f"{s['num_tokens']:>8} {s['kv_bytes'] / 1e6:>8.2f} {s['hits']:>5}"
+        )
+
+
+def _store(args: argparse.Namespace) -> int:
+    from ds4pool.kv.store import list_store
+
+    try:
+        entries = list_store(args.kv_disk_dir)
+    except OSError as exc:
+        raise Ds4poolError(f"--kv-disk-dir: {exc}") from None
+    if args.tenant is not None:
+        entries = [e for e in entries if e.tenant == args.tenant]
+    if args.json:
+        print(json.dumps([e.to_json() for e in entries], indent=2))
+        return 0
+    print(f"{'TENANT':<16} {'SESSION':<32} {'TOKENS':>8} {'MB':>8} {'LEASE':<16} MODIFIED")
+    for e in entries:
+        lease = f"{e.holder or '-'}{' (live)' if e.lease_live else ''}"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.modified))
+        print(
+            f"{e.tenant:<16} {e.session_id:<32} {e.num_tokens:>8} {e.num_bytes / 1e6:>8.2f} "
+            f"{lease:<16} {when}"
+        )
+    print(f"({len(entries)} snapshots in {args.kv_disk_dir})")
+    return 0
+
+
+def _action(args: argparse.Namespace) -> Any:
     a = args.action
     if a == "list":
         query = {
@@ -106,14 +207,4 @@ def run_sessions(args: argparse.Namespace) -> int:
         out = _call(args, "POST", "/admin/flush")
     else:
         out = _call(args, "GET", "/admin/pool")
-    if args.json or a != "list":
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{'TENANT':<16} {'SESSION':<32} {'TIER':<7} {'TOKENS':>8} {'KV MB':>8} {'HITS':>5}")
-    for s in out["data"]:
-        print(
-            f"{s['tenant']:<16} {s['session_id']:<32} {s['tier']:<7} {s['num_tokens']:>8} "
-            f"{s['kv_bytes'] / 1e6:>8.2f} {s['hits']:>5}"
-        )
-    print(f"({len(out['data'])} of {out['total']})")
-    return 0
+    return out

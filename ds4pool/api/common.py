@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import anyio
 from litestar import Request as HttpRequest
 
 from ds4pool.api.config import DEFAULT_TENANT, ServerConfig, TenantConfig
@@ -161,6 +162,9 @@ async def start(
     if state.cfg.request_timeout_s:
         req.deadline = time.monotonic() + state.cfg.request_timeout_s
     started = time.monotonic()
+    if engine.shares_store and req.session_id is not None:
+        # lease and store look-up: small file I/O, off the event loop
+        await anyio.to_thread.run_sync(engine.open_session, req.tenant, req.session_id)
     stream = engine.submit(req)  # QueueFullError → 429 via the exception handler
     state.inflight[tenant.name] += 1
     gen = Generation(stream, _events(stream, request), started, tenant.name, req.endpoint)

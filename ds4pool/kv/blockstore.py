@@ -105,8 +105,12 @@ class BlockFiles:
         shuffle: bool,
         quarantine: Callable[[Path, SnapshotError], None],
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        shared: bool = False,
     ) -> None:
         self.directory = directory
+        # a shared store (replicas, kv/store.py): other replicas' snapshots may list a block
+        # file this index no longer counts, so collect() forgets it and never deletes it
+        self.shared = shared
         self.fingerprint = fingerprint
         self.shuffle = shuffle
         self._quarantine = quarantine
@@ -184,7 +188,8 @@ class BlockFiles:
             self.used_bytes -= entry.num_bytes
             freed += entry.num_bytes
             self._uncache(key)
-            _unlink(entry.path)
+            if not self.shared:
+                _unlink(entry.path)
         return freed
 
     # ------------------------------------------------------------ decoded blocks (lock held)

@@ -26,6 +26,10 @@ class PoolConfig:
     # read a returning session's KV back, or recompute it: "auto" (the cheaper, from measured
     # rates), "always" (read), "never" (recompute); see kv/cost.py
     restore_policy: str = "auto"
+    # Shared snapshot store (kv/store.py): several replicas on one disk_dir, each with its
+    # own id; None: a private disk tier (flock on the directory).
+    replica_id: str | None = None
+    lease_ttl_s: float = 30.0  # a replica's session lease runs out this long after its use
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,16 @@ class PoolObserver:
     def restore_decided(self, tier: str, choice: str) -> None:
         """A returning session's KV in `tier` (ram, disk) is read back or recomputed
         (`choice`: read, recompute), kv/cost.py's decision."""
+
+    # shared snapshot store (replicas): kv/store.py calls the first two
+    def lease_claimed(self, claim: str) -> None:
+        """A session lease claim ended as renewed, acquired, taken_over or foreign."""
+
+    def store_error(self, kind: str) -> None:
+        """A lease file could not be read or written."""
+
+    def store_io(self, op: str, num_bytes: int) -> None:
+        """A snapshot of num_bytes was read from or written to the disk tier/store."""
+
+    def foreign_restored(self) -> None:
+        """A session was restored from a snapshot another replica wrote."""

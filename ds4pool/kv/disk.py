@@ -19,6 +19,14 @@ Invariants:
 Thread-safety: one lock guards the index and every rename/unlink in the directory; encoding,
 writing and fsyncing a temp file and decoding a snapshot happen outside it. One DiskTier per
 directory (enforced with an flock on `.lock`, across processes too).
+
+Shared store (`replica_id` set, several replicas on one directory; kv/store.py): each
+replica holds a shared flock on `.lock` (so a private DiskTier cannot open a shared store)
+and an exclusive one on `replicas/<id>.lock`; it indexes at start only the snapshots `owns()`
+accepts (their lease names it), `adopt()`s another replica's snapshot on a miss, and unlinks
+(eviction) only a file it wrote itself: the inode it wrote is remembered, and a file another
+replica has rewritten since is forgotten instead of deleted. Temp files carry the replica id,
+so a start removes only its own leftovers.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ class DirectoryLockedError(RuntimeError):
     """Another DiskTier (in this or another process) already owns the directory."""
 
 
+REPLICAS_DIR = "replicas"  # replicas/<id>.lock: one process per replica id
+
+
 @dataclass(frozen=True)
 class DiskEntry:
     tenant: str
@@ -115,6 +126,9 @@ class DiskTier:
         shuffle: bool = DEFAULT_SHUFFLE,
         on_error: Callable[[str], None] | None = None,
         on_evict: Callable[[DiskEntry], None] | None = None,
+        replica_id: str | None = None,
+        owns: Callable[[SessionKey], bool] | None = None,
+        on_io: Callable[[str, int], None] | None = None,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -125,12 +139,21 @@ class DiskTier:
         self._budget_bytes = budget_bytes
         self._on_error = on_error
         self._on_evict = on_evict
+        self._on_io = on_io  # ("read" | "write", bytes) after each successful read/write
+        self.replica_id = replica_id
+        self._owns = owns
+        # shared store only: the inode of each file this replica wrote (see the docstring)
+        self._ours: dict[SessionKey, int] = {}
+        self._tmp_prefix = f".{replica_id}." if replica_id else "."
         self._lock = threading.Lock()
         self._index: OrderedDict[SessionKey, DiskEntry] = OrderedDict()  # LRU first
         self._used_bytes = 0  # session files; the block files' bytes are self._blocks'
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._blocks = BlockFiles(self.directory, fingerprint, shuffle, self._quarantine)
-        self._lock_fd = self._lock_directory()
+        # a replica shares block files with the others: it never deletes one (kv/blockstore.py)
+        self._blocks = BlockFiles(
+            self.directory, fingerprint, shuffle, self._quarantine, shared=bool(replica_id)
+        )
+        self._lock_fds = self._lock_directory()
         self._rebuild_index()
 
     # ------------------------------------------------------------------ public API
@@ -227,6 +250,8 @@ class DiskTier:
                     # a read quarantined one meanwhile: never list a missing block file
                     raise OSError(errno.EIO, "a shared block file was quarantined")
                 os.replace(tmp, path)  # the only other call here that can raise
+                if self.replica_id:
+                    self._ours[key] = os.stat(path).st_ino
                 self._put(
                     DiskEntry(
                         *key,
@@ -244,6 +269,7 @@ class DiskTier:
             self._report("write")
             raise DiskWriteError(e.errno, f"renaming snapshot into place: {e}") from e
         self._fsync_directory()  # makes the rename durable; a crash before it keeps the old file
+        self._call_io("write", written.file_bytes)
         for entry in evicted:
             log.info("disk tier: evicted %s (%d bytes, LRU)", entry.path.name, entry.num_bytes)
             self._call(self._on_evict, entry)
@@ -305,6 +331,7 @@ class DiskTier:
                 self._report("io")
                 return None
         self._touch(key)
+        self._call_io("read", entry.num_bytes)
         return snap
 
     def _read_block(self, key: str, tenant: str, position: int, ids: list[int]) -> list[Any]:
@@ -369,11 +396,69 @@ class DiskTier:
         with self._lock:
             return self._drop((tenant, session_id)) is not None
 
+    def adopt(self, tenant: str, session_id: str) -> DiskEntry | None:
+        """Shared store: index the key's snapshot as the store holds it now (written by
+        another replica, or rewritten since we indexed it), header validated; None if there
+        is none or it is invalid (then quarantined and reported). It stays another
+        replica's file until we write it: eviction forgets it, never deletes it."""
+        key, path = (tenant, session_id), self.path_for(tenant, session_id)
+        try:
+            entry = self._index_entry(path)
+            if (entry.tenant, entry.session_id) != key:
+                raise SnapshotError("format", f"file holds {entry.tenant, entry.session_id}")
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(key)
+            return None
+        except SnapshotError as e:
+            with self._lock:
+                self._forget(key)
+                self._quarantine(path, e)
+            self._report(e.kind)
+            return None
+        except OSError as e:
+            log.error("disk tier: cannot read %s: %s", path.name, e)
+            self._report("io")
+            return None
+        with self._lock:
+            self._forget(key)
+            error = self._index_blocks_of(entry)
+            if error is None:
+                self._put(entry)
+                evicted = self._evict_to_budget(keep=key)
+        if error is not None:
+            self._report(error)
+            return None
+        for old in evicted:
+            self._call(self._on_evict, old)
+        return entry
+
+    def _index_blocks_of(self, entry: DiskEntry) -> str | None:
+        """Index the block files an adopted snapshot lists that we have not indexed (another
+        replica wrote them; lock held). The error kind when one is missing or invalid."""
+        added = []
+        try:
+            for k in dict.fromkeys(entry.blocks):
+                if k not in self._blocks.entries:
+                    block = self._blocks.index_file(self._blocks.path_for(k))
+                    added.append(k)
+                    if block.tenant != entry.tenant:
+                        raise SnapshotError("format", f"block {k} is another tenant's")
+            return None
+        except SnapshotError as e:
+            self._quarantine(self._blocks.path_for(k), e)
+            return e.kind
+        except OSError as e:
+            log.error("disk tier: block file %s of %s: %s", k, entry.path.name, e)
+            return "io"
+        finally:
+            self._blocks.collect(added)  # those no session of ours lists after all
+
     def close(self) -> None:
         """Release the directory lock. The files stay; a new DiskTier will index them."""
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # closing the fd drops the flock
-            self._lock_fd = -1
+        for fd in self._lock_fds:
+            os.close(fd)  # closing the fd drops the flock
+        self._lock_fds = []
 
     def __enter__(self) -> DiskTier:
         return self
@@ -388,7 +473,9 @@ class DiskTier:
         its mtime set to `now`: the kernel's own timestamps are too coarse to order writes."""
         tmp: Path | None = None
         try:
-            fd, name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=TMP_SUFFIX)
+            fd, name = tempfile.mkstemp(
+                dir=self.directory, prefix=self._tmp_prefix, suffix=TMP_SUFFIX
+            )
             tmp = Path(name)
             with os.fdopen(fd, "wb") as f:
                 written = write_snapshot(f, snapshot, shuffle=self.shuffle)
@@ -434,6 +521,39 @@ class DiskTier:
             _unlink_quietly(entry.path)
             self._blocks.unref(entry.blocks)
             self._blocks.collect(entry.blocks)
+        self._ours.pop(key, None)
+        return entry
+
+    def _forget(self, key: SessionKey) -> DiskEntry | None:
+        """Out of the index, the file left alone (another replica's, or gone)."""
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used_bytes -= entry.num_bytes
+            self._blocks.unref(entry.blocks)
+            self._blocks.collect(entry.blocks)  # shared: out of our index, files kept
+        self._ours.pop(key, None)
+        return entry
+
+    def _evict(self, key: SessionKey) -> DiskEntry | None:
+        """Budget eviction: a private tier deletes; a replica deletes only the file it
+        wrote. Renamed aside first, so that a file another replica renamed into place
+        after our check is put back, never deleted."""
+        if not self.replica_id:
+            return self._drop(key)
+        ino, entry = self._ours.get(key), self._forget(key)
+        if entry is None or ino is None:
+            return entry
+        aside = entry.path.with_name(f".{entry.path.name}.{self.replica_id}.evict")
+        try:
+            os.rename(entry.path, aside)
+        except OSError:
+            return entry  # gone already
+        if os.stat(aside).st_ino != ino:
+            try:
+                os.link(aside, entry.path)  # not ours: put it back
+            except OSError:
+                pass  # a newer one is in place: ours was the stale one
+        _unlink_quietly(aside)
         return entry
 
     def _evict_to_budget(self, keep: SessionKey | None) -> list[DiskEntry]:
@@ -446,7 +566,7 @@ class DiskTier:
             victim = next(victims, None)
             if victim is None:
                 break
-            entry = self._drop(victim)
+            entry = self._evict(victim)
             assert entry is not None
             evicted.append(entry)
         return evicted
@@ -496,14 +616,17 @@ class DiskTier:
 
     # ------------------------------------------------------------------ start-up
 
-    def _lock_directory(self) -> int:
-        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    def _lock_directory(self) -> list[int]:
+        if not self.replica_id:
+            return [_flock(self.directory / ".lock", fcntl.LOCK_EX, "another DiskTier or replica")]
+        shared = _flock(self.directory / ".lock", fcntl.LOCK_SH, "a server without --replica-id")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DirectoryLockedError(f"{self.directory} is in use by another DiskTier") from None
-        return fd
+            (self.directory / REPLICAS_DIR).mkdir(mode=0o700, exist_ok=True)
+            mine = self.directory / REPLICAS_DIR / f"{self.replica_id}.lock"
+            return [shared, _flock(mine, fcntl.LOCK_EX, f"replica {self.replica_id!r}")]
+        except BaseException:
+            os.close(shared)
+            raise
 
     def _rebuild_index(self) -> None:
         """Index every valid *.snap and *.blk by its header alone; delete temp files left by a
@@ -515,13 +638,17 @@ class DiskTier:
             path = Path(item.path)
             if not item.is_file(follow_symlinks=False):
                 continue
-            if item.name.endswith(TMP_SUFFIX):
+            if item.name.endswith(TMP_SUFFIX) and item.name.startswith(self._tmp_prefix):
                 log.info("disk tier: removing leftover temp file %s", item.name)
                 _unlink_quietly(path)
             elif item.name.endswith((SNAP_SUFFIX, BLOCK_SUFFIX)):
                 try:
                     if item.name.endswith(SNAP_SUFFIX):
+                        if self._owns is not None and not self._owns_file(path):
+                            continue  # another replica's: adopted on a miss, not indexed
                         found.append(self._index_entry(path))
+                        if self.replica_id:
+                            self._ours[(found[-1].tenant, found[-1].session_id)] = item.inode()
                     else:
                         self._blocks.index_file(path)
                 except SnapshotError as e:
@@ -539,7 +666,11 @@ class DiskTier:
                 _unlink_quietly(entry.path)
         orphans = [k for k in blocks if not self._blocks.refs[k]]
         if orphans:
-            log.info("disk tier: removing %d block files no session lists", len(orphans))
+            log.info(
+                "disk tier: %s %d block files no session of ours lists",
+                "not indexing (another replica's may)" if self.replica_id else "removing",
+                len(orphans),
+            )
         self._blocks.collect(orphans)
         for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
             log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
@@ -552,6 +683,15 @@ class DiskTier:
         )
         for kind in errors:
             self._report(kind)
+
+    def _owns_file(self, path: Path) -> bool:
+        assert self._owns is not None
+        try:
+            with open(path, "rb") as f:
+                h = read_header(f)
+        except SnapshotError:
+            return False  # a foreign replica's problem as much as ours: checked on adopt
+        return self._owns((h.tenant, h.session_id))
 
     def _index_entry(self, path: Path) -> DiskEntry:
         with open(path, "rb") as f:
@@ -574,6 +714,13 @@ class DiskTier:
             h.shared,
         )
 
+    def _call_io(self, op: str, num_bytes: int) -> None:
+        if self._on_io is not None:
+            try:
+                self._on_io(op, num_bytes)
+            except Exception:
+                log.exception("disk tier: io hook raised")
+
     def _report(self, kind: str) -> None:
         assert kind in ERROR_KINDS, kind
         self._call(self._on_error, kind)
@@ -585,6 +732,16 @@ class DiskTier:
                 hook(arg)
             except Exception:  # a caller's hook must never leave the tier half-updated
                 log.exception("disk tier: hook %r(%r) raised", hook, arg)
+
+
+def _flock(path: Path, mode: int, holder: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DirectoryLockedError(f"{path.parent} is in use by {holder}") from None
+    return fd
 
 
 def _unlink_quietly(path: Path | None) -> None:

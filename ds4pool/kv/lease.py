@@ -313,6 +313,8 @@ class SessionLease:
             self._released = True
             s.in_flight = False
             s.last_used = time.time()
+            if p.tiers.store is not None and not s.ephemeral:
+                p.tiers.store.touch(s.key)  # renew its store lease for another ttl
             if s.tier is Tier.RAM and s.key not in p.tiers.ram and not s.ephemeral:
                 p.tiers.file_in_ram(s)  # read from disk, then the request ended before restore
             writer = p.tiers.writer

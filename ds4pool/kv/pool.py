@@ -47,6 +47,7 @@ from ds4pool.kv.session import (
 )
 from ds4pool.kv.sharing import PrefixInfo, PrefixSharing
 from ds4pool.kv.snapshot import ModelFingerprint
+from ds4pool.kv.store_lease import ClaimResult
 from ds4pool.kv.tiers import Tiers
 from ds4pool.kv.transfer import DeviceKV
 
@@ -184,6 +185,28 @@ class SessionPool:
             read_kv = self.planner.reads_disk(self._sessions.get(key))  # or recompute it
         self.tiers.read_ahead(key, kv=read_kv)
         self.restore_ahead(key)
+
+    def open_from_store(self, tenant: str, session_id: str | None) -> ClaimResult | None:
+        """Shared store only (--replica-id), before a request of the session is submitted:
+        claim its store lease, and bring what the store holds into view: on a miss, the
+        snapshot another replica wrote; when the lease moved here from another replica,
+        that replica's newer snapshot instead of our idle local copy. Disk and lease I/O:
+        call from a worker thread, never with the pool lock or on the event loop."""
+        store = self.tiers.store
+        if store is None or session_id is None:
+            return None
+        key = (tenant, session_id)
+        result = store.claim(key)
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is not None and result is not None and result.moved_here and not s.in_flight:
+                drop_kv(self._parts, s)  # stale: the replica that held the lease may have written
+                self.tiers.forget_local(s)
+                del self._sessions[key]
+                s = None
+        if s is None:
+            self.tiers.adopt(key)
+        return result
 
     def restore_ahead(self, key: SessionKey) -> None:
         """Put an idle RAM session's KV on the device now, on the calling (prefetch) thread,

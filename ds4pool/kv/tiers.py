@@ -52,6 +52,7 @@ from ds4pool.kv.persist import PersistWriter, SnapshotOrder
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import Session, SessionKey, Tier
 from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
+from ds4pool.kv.store import LeaseKeeper, SharedStore
 from ds4pool.kv.transfer import DeviceKV, gather_to_host, scatter_from_host
 
 
@@ -98,14 +99,24 @@ class Tiers:
         self.ram = RamTier(cfg.ram_bytes, self._on_ram_evict)
         self.disk: DiskTier | None = None
         self.order: SnapshotOrder | None = None
+        self.store: SharedStore | None = None  # a shared store: --replica-id (kv/store.py)
+        self._keeper: LeaseKeeper | None = None
+        self._foreign: set[SessionKey] = set()  # adopted from another replica, not read yet
         if cfg.disk_dir is not None:
+            if cfg.replica_id is not None:
+                self.store = SharedStore(cfg.disk_dir, cfg.replica_id, cfg.lease_ttl_s, observer)
             self.disk = DiskTier(
                 cfg.disk_dir,
                 cfg.disk_bytes,
                 fingerprint,
                 on_error=observer.snapshot_error,
                 on_evict=self._on_disk_evict,
+                replica_id=cfg.replica_id,
+                owns=self.store.owns if self.store else None,
+                on_io=observer.store_io,
             )
+            if self.store is not None:
+                self._keeper = LeaseKeeper(self.store, self._in_flight_keys)
             self.order = SnapshotOrder(self.disk)
             self._index_disk(self.disk)
         self.writer = (
@@ -248,11 +259,42 @@ class Tiers:
 
     def forget(self, s: Session) -> None:
         """Drop a session's host copy and its snapshot (its device blocks are the pool's)."""
+        self.forget_local(s)
+        if self.order is not None and not s.ephemeral:
+            self.order.drop(s.key, self._next_version())
+            if self.store is not None:
+                self.store.remove(s.key)
+
+    def forget_local(self, s: Session) -> None:
+        """Drop a session's host copy, leaving its snapshot in the store alone (a copy
+        another replica may have made stale)."""
         self.ram.pop(s.key)
         self._drop_host(s)
         s.tier = Tier.NONE
-        if self.order is not None and not s.ephemeral:
-            self.order.drop(s.key, self._next_version())
+        self._foreign.discard(s.key)
+
+    def _in_flight_keys(self) -> list[SessionKey]:
+        with self._lock:
+            return [k for k, s in self._sessions.items() if s.in_flight and not s.ephemeral]
+
+    def adopt(self, key: SessionKey) -> Session | None:
+        """Shared store, on a miss: the key's snapshot as the store holds it, indexed (header
+        checked) as a DISK session to be loaded (and verified) by its request. Disk I/O:
+        call without the pool lock; installs under it unless a session appeared meanwhile."""
+        assert self.disk is not None
+        entry = self.disk.adopt(*key)
+        if entry is None:
+            return None
+        with self._lock:
+            if key in self._sessions:
+                return None
+            s = Session(entry.tenant, entry.session_id, tier=Tier.DISK, loaded=False)
+            s.num_computed = s.num_persisted = entry.num_kv_tokens
+            s.version = s.persisted_version = self._next_version()
+            s.last_used = entry.last_used
+            self._sessions[key] = s
+            self._foreign.add(key)
+            return s
 
     # ------------------------------------------------------------ up
 
@@ -320,6 +362,9 @@ class Tiers:
             s.version = self._next_version()
             return
         n = host.shape[2]
+        if s.key in self._foreign:
+            self._foreign.discard(s.key)
+            self.observer.foreign_restored()
         s.token_ids, s.text, s.loaded = snap.token_ids, snap.text, True
         s.block_keys = []
         if n < snap.header.num_kv_tokens:  # truncated while on disk: the text no longer fits
@@ -460,6 +505,11 @@ class Tiers:
             if host is None or self._sessions.get(key) is not s or s.version != version:
                 return False  # it changed or is in use: its next persist catches up
             snap, n = self.snapshot(s, host), s.num_computed
+        if self.store is not None and not self.store.may_write(key):
+            with self._lock:  # another replica holds the session: never write over it
+                if self._sessions.get(key) is s and s.version == version:
+                    self._settle(s, written=False)
+            return False
         written = self.order.write(snap, version)
         with self._lock:
             if self._sessions.get(key) is s and s.version == version:
@@ -507,5 +557,8 @@ class Tiers:
         self.flush()
         if self.writer:
             self.writer.stop()
+        if self._keeper is not None and self.store is not None:
+            self._keeper.stop()
+            self.store.release_all()  # drained: the next replica takes them at once
         if self.disk:
             self.disk.close()

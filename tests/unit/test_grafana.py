@@ -24,7 +24,7 @@ yaml = pytest.importorskip("yaml")
 GRAFANA = Path(__file__).resolve().parents[2] / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "ds4pool.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-ROWS = ["Traffic", "Latency", "Batching", "Sessions", "Health"]
+ROWS = ["Traffic", "Latency", "Batching", "Sessions", "Health", "Replicas"]
 ALERTS = {"Ds4poolDown", "QueueBacklogSustained", "TTFTp95OverSLO", "DiskTierNearBudget",
           "SnapshotErrors"}  # fmt: skip
 METRIC_RE = re.compile(r"\bds4pool_[A-Za-z0-9_]+")

@@ -27,7 +27,7 @@ TENANT = "acme-tenant"
 # every label a ds4pool metric may have; anything else (a session id, a tenant) is a bug
 ALLOWED_LABELS = {
     "endpoint", "status", "priority", "tier", "from", "to", "reason", "kind", "choice",
-    "model", "device", "dtype", "version", "le",
+    "model", "device", "dtype", "version", "le", "result", "op", "replica",
 }  # fmt: skip
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
