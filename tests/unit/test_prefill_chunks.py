@@ -48,7 +48,7 @@ def test_a_long_prompt_next_to_a_decoder_gets_shrinking_chunks(loaded: LoadedMod
     )
     e = Engine(cfg, loaded=loaded)
     steps: list[tuple[int, int]] = []  # (sequences, tokens) per step
-    e.scheduler.observer.step = lambda b, n, s: steps.append((b, n))  # type: ignore[method-assign]
+    e.scheduler.observer.step = lambda b, n, *_: steps.append((b, n))  # type: ignore[method-assign]
     rng = random.Random(3)
     long_ids = [rng.randrange(4, 200) for _ in range(1200)]
     try:
