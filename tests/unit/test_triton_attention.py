@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interpreter import interpreter_results
 
 
 @dataclass(frozen=True)
@@ -246,14 +242,7 @@ def results() -> dict[str, dict]:
         pytest.skip("triton is not installed")
     if not _interpreter_works():
         pytest.skip("triton < 3.9's interpreter fails on numpy >= 2.4 (int() of a 1-d array)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    return {r["name"]: r for r in lines}
+    return interpreter_results(__file__, timeout=240)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -8,16 +8,11 @@ case. Skipped where triton is not installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interpreter import interpreter_results
 
 # name → (tokens, experts, top-k, hidden, expert width, dtype): widths that are not
 # multiples of the 64-wide tiles, experts nobody chose, tiles that end mid-expert
@@ -66,16 +61,7 @@ def _run_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    return {r["name"]: r for r in lines}
+    return interpreter_results(__file__, timeout=240)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -9,17 +9,12 @@ the cases run in one child interpreter (this file as a script) that prints a JSO
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.interpreter import interpreter_results
 
 # router case → (router, norm_topk_prob, tokens, experts, top-k, groups, groups kept):
 # non-power-of-two experts and tokens, one token, 16 tokens, DeepSeek-V3's group limit
@@ -111,16 +106,7 @@ def _block_case(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=400
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    return {r["name"]: r for r in lines}
+    return interpreter_results(__file__, timeout=400)
 
 
 @pytest.mark.parametrize("name", list(ROUTER_CASES))

@@ -1,0 +1,31 @@
+"""Run a test module's cases under Triton's interpreter (TRITON_INTERPRET=1) in a child
+process: the variable must be set before triton is imported, and the parent has imported it.
+The module, run as a script, prints one JSON object per case, each with a "name"."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpreter_results(script: str, timeout: float) -> dict[str, dict[str, Any]]:
+    """{case name: its JSON record}, from running `script` with the interpreter on."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    return {r["name"]: r for r in lines}
