@@ -46,17 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from ds4pool.kv.blockstore import BLOCK_SUFFIX, BlockFileError, BlockFiles
-from ds4pool.kv.snapshot import (
-    DEFAULT_SHUFFLE,
-    ModelFingerprint,
-    Snapshot,
-    SnapshotError,
-    SnapshotHeader,
-    check_fingerprint,
-    decode_snapshot,
-    read_header,
-    write_snapshot,
-)
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.framing import SnapshotError
+from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
+from ds4pool.kv.snapshot import Snapshot, decode_snapshot, write_snapshot
+from ds4pool.kv.snapshot_header import SnapshotHeader, check_fingerprint, read_header
 
 log = logging.getLogger(__name__)
 

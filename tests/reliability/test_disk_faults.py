@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 import ds4pool.kv.disk as disk_mod
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import PoolObserver
-from ds4pool.kv.snapshot import ModelFingerprint, encode_snapshot
+from ds4pool.kv.snapshot import encode_snapshot
 from ds4pool.model.tokenizer import Tokenizer
 from tests.reliability.helpers import (
     Conversation,

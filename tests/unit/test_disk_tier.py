@@ -24,7 +24,8 @@ from ds4pool.kv.disk import (
     DiskWriteError,
     SnapshotTooLargeError,
 )
-from ds4pool.kv.snapshot import ModelFingerprint, Snapshot, encode_snapshot
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.snapshot import Snapshot, encode_snapshot
 
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 8, "bfloat16", "sha256:abc")
 BIG = 1 << 16  # tokens in the crash tests' snapshots: ~8 MB, so a kill often lands mid-write
