@@ -32,32 +32,40 @@ so a start removes only its own leftovers.
 from __future__ import annotations
 
 import errno
-import fcntl
-import hashlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ds4pool.kv.blockstore import BLOCK_SUFFIX, BlockFileError, BlockFiles
+from ds4pool.kv.disk_files import (
+    QUARANTINE_DIR,
+    SNAP_SUFFIX,
+    TMP_SUFFIX,
+    DiskEntry,
+    SessionKey,
+    file_key,
+    fsync_directory,
+    lock_directory,
+    quarantine_file,
+    read_entry,
+    session_file_name,
+    unlink_quietly,
+    write_temp,
+)
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
-from ds4pool.kv.snapshot import Snapshot, decode_snapshot, write_snapshot
-from ds4pool.kv.snapshot_header import SnapshotHeader, check_fingerprint, read_header
+from ds4pool.kv.snapshot import Snapshot, decode_snapshot
+from ds4pool.kv.snapshot_header import SnapshotHeader
 
 log = logging.getLogger(__name__)
 
-SessionKey = tuple[str, str]  # (tenant, session_id)
-SNAP_SUFFIX = ".snap"
-TMP_SUFFIX = ".tmp"  # temp files are ".<random>.tmp": never a valid snapshot name
-QUARANTINE_DIR = "quarantine"
 # Every kind on_error() may receive: SnapshotError kinds (the file was quarantined), plus
 # "write" (a write failed, the old snapshot is intact), "too_large" (a snapshot alone exceeds
 # the budget and was dropped), "io" (a read hit an OSError; the file is kept, if it exists).
@@ -70,36 +78,6 @@ class DiskWriteError(OSError):
 
 class SnapshotTooLargeError(ValueError):
     """One snapshot alone exceeds the disk budget. It was not kept, nor was the key's older one."""
-
-
-class DirectoryLockedError(RuntimeError):
-    """Another DiskTier (in this or another process) already owns the directory."""
-
-
-REPLICAS_DIR = "replicas"  # replicas/<id>.lock: one process per replica id
-
-
-@dataclass(frozen=True)
-class DiskEntry:
-    tenant: str
-    session_id: str
-    path: Path
-    num_bytes: int  # file size
-    num_tokens: int
-    num_kv_tokens: int  # tokens with KV in the file (<= num_tokens)
-    last_used: float  # unix time of the last write() or read()
-    blocks: tuple[str, ...] = ()  # hex keys of the shared block files it relies on
-
-
-def session_file_name(tenant: str, session_id: str) -> str:
-    """sha256 over both parts, each length-prefixed, so ("a","bc") and ("ab","c") differ and no
-    id can inject a path. surrogatepass: any Python str hashes, even a lone surrogate."""
-    h = hashlib.sha256(b"ds4pool-session-v1\x00")
-    for part in (tenant, session_id):
-        data = part.encode("utf-8", "surrogatepass")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest() + SNAP_SUFFIX
 
 
 class DiskTier:
@@ -147,7 +125,7 @@ class DiskTier:
         self._blocks = BlockFiles(
             self.directory, fingerprint, shuffle, self._quarantine, shared=bool(replica_id)
         )
-        self._lock_fds = self._lock_directory()
+        self._lock_fds = lock_directory(self.directory, self.replica_id)
         self._rebuild_index()
 
     # ------------------------------------------------------------------ public API
@@ -231,7 +209,7 @@ class DiskTier:
             blocks = [self._blocks.entries.get(k) for k in dict.fromkeys(h.shared)]
             need = written.file_bytes + sum(b.num_bytes for b in blocks if b is not None)
         if need > self._budget_bytes:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self.delete(*key)
             self._report("too_large")
             raise SnapshotTooLargeError(
@@ -259,7 +237,7 @@ class DiskTier:
                 )
                 evicted = self._evict_to_budget(keep=key)
         except OSError as e:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self._report("write")
             raise DiskWriteError(e.errno, f"renaming snapshot into place: {e}") from e
         self._fsync_directory()  # makes the rename durable; a crash before it keeps the old file
@@ -397,7 +375,7 @@ class DiskTier:
         replica's file until we write it: eviction forgets it, never deletes it."""
         key, path = (tenant, session_id), self.path_for(tenant, session_id)
         try:
-            entry = self._index_entry(path)
+            entry = read_entry(path, self.fingerprint)
             if (entry.tenant, entry.session_id) != key:
                 raise SnapshotError("format", f"file holds {entry.tenant, entry.session_id}")
         except FileNotFoundError:
@@ -463,38 +441,15 @@ class DiskTier:
     # ------------------------------------------------------------------ writing
 
     def _write_temp(self, snapshot: Snapshot, now: float) -> tuple[Path, SnapshotHeader]:
-        """Encode into a fsynced temp file in the same directory (so the rename is atomic),
-        its mtime set to `now`: the kernel's own timestamps are too coarse to order writes."""
-        tmp: Path | None = None
         try:
-            fd, name = tempfile.mkstemp(
-                dir=self.directory, prefix=self._tmp_prefix, suffix=TMP_SUFFIX
-            )
-            tmp = Path(name)
-            with os.fdopen(fd, "wb") as f:
-                written = write_snapshot(f, snapshot, shuffle=self.shuffle)
-                f.flush()
-                os.utime(f.fileno(), (now, now))
-                os.fsync(f.fileno())  # data on disk before the rename makes it visible
-            return tmp, written
+            return write_temp(self.directory, self._tmp_prefix, snapshot, self.shuffle, now)
         except OSError as e:
-            _unlink_quietly(tmp)
             log.error("disk tier: writing %s: %s", snapshot.key, e)
             self._report("write")
             raise DiskWriteError(e.errno or errno.EIO, f"writing snapshot: {e}") from e
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
 
     def _fsync_directory(self) -> None:
-        try:
-            fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:  # the file is in place and readable; only durability is at risk
-            log.error("disk tier: fsync of directory %s failed: %s", self.directory, e)
+        fsync_directory(self.directory)
 
     # ------------------------------------------------------------------ index (lock held)
 
@@ -512,7 +467,7 @@ class DiskTier:
         entry = self._index.pop(key, None)
         if entry is not None:
             self._used_bytes -= entry.num_bytes
-            _unlink_quietly(entry.path)
+            unlink_quietly(entry.path)
             self._blocks.unref(entry.blocks)
             self._blocks.collect(entry.blocks)
         self._ours.pop(key, None)
@@ -547,7 +502,7 @@ class DiskTier:
                 os.link(aside, entry.path)  # not ours: put it back
             except OSError:
                 pass  # a newer one is in place: ours was the stale one
-        _unlink_quietly(aside)
+        unlink_quietly(aside)
         return entry
 
     def _evict_to_budget(self, keep: SessionKey | None) -> list[DiskEntry]:
@@ -596,31 +551,9 @@ class DiskTier:
                 self._quarantine(entry.path, error)
 
     def _quarantine(self, path: Path, error: SnapshotError) -> None:
-        log.warning("disk tier: quarantining %s: %s", path.name, error)
-        dest = self.quarantine_dir / f"{path.name}.{time.time_ns()}"
-        try:
-            self.quarantine_dir.mkdir(mode=0o700, exist_ok=True)
-            os.replace(path, dest)
-            dest.with_name(dest.name + ".reason").write_text(
-                f"kind: {error.kind}\nerror: {error}\nfile: {path.name}\n"
-                f"time: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-            )
-        except OSError as e:  # still never loaded: it is out of the index
-            log.error("disk tier: cannot quarantine %s: %s", path.name, e)
+        quarantine_file(self.quarantine_dir, path, error)
 
     # ------------------------------------------------------------------ start-up
-
-    def _lock_directory(self) -> list[int]:
-        if not self.replica_id:
-            return [_flock(self.directory / ".lock", fcntl.LOCK_EX, "another DiskTier or replica")]
-        shared = _flock(self.directory / ".lock", fcntl.LOCK_SH, "a server without --replica-id")
-        try:
-            (self.directory / REPLICAS_DIR).mkdir(mode=0o700, exist_ok=True)
-            mine = self.directory / REPLICAS_DIR / f"{self.replica_id}.lock"
-            return [shared, _flock(mine, fcntl.LOCK_EX, f"replica {self.replica_id!r}")]
-        except BaseException:
-            os.close(shared)
-            raise
 
     def _rebuild_index(self) -> None:
         """Index every valid *.snap and *.blk by its header alone; delete temp files left by a
@@ -634,13 +567,13 @@ class DiskTier:
                 continue
             if item.name.endswith(TMP_SUFFIX) and item.name.startswith(self._tmp_prefix):
                 log.info("disk tier: removing leftover temp file %s", item.name)
-                _unlink_quietly(path)
+                unlink_quietly(path)
             elif item.name.endswith((SNAP_SUFFIX, BLOCK_SUFFIX)):
                 try:
                     if item.name.endswith(SNAP_SUFFIX):
                         if self._owns is not None and not self._owns_file(path):
                             continue  # another replica's: adopted on a miss, not indexed
-                        found.append(self._index_entry(path))
+                        found.append(read_entry(path, self.fingerprint))
                         if self.replica_id:
                             self._ours[(found[-1].tenant, found[-1].session_id)] = item.inode()
                     else:
@@ -657,7 +590,7 @@ class DiskTier:
                 self._put(entry)
             else:
                 log.warning("disk tier: %s lacks a block file; deleted", entry.path.name)
-                _unlink_quietly(entry.path)
+                unlink_quietly(entry.path)
         orphans = [k for k in blocks if not self._blocks.refs[k]]
         if orphans:
             log.info(
@@ -681,32 +614,10 @@ class DiskTier:
     def _owns_file(self, path: Path) -> bool:
         assert self._owns is not None
         try:
-            with open(path, "rb") as f:
-                h = read_header(f)
+            key = file_key(path)
         except SnapshotError:
             return False  # a foreign replica's problem as much as ours: checked on adopt
-        return self._owns((h.tenant, h.session_id))
-
-    def _index_entry(self, path: Path) -> DiskEntry:
-        with open(path, "rb") as f:
-            h = read_header(f)
-            st = os.fstat(f.fileno())
-        check_fingerprint(h, self.fingerprint)
-        if path.name != session_file_name(h.tenant, h.session_id):
-            raise SnapshotError("format", "file name does not match its (tenant, session_id)")
-        if st.st_size != h.file_bytes:
-            kind = "truncated" if st.st_size < h.file_bytes else "format"
-            raise SnapshotError(kind, f"file has {st.st_size} bytes, header says {h.file_bytes}")
-        return DiskEntry(
-            h.tenant,
-            h.session_id,
-            path,
-            st.st_size,
-            h.num_tokens,
-            h.num_kv_tokens,
-            st.st_mtime,
-            h.shared,
-        )
+        return self._owns(key)
 
     def _call_io(self, op: str, num_bytes: int) -> None:
         if self._on_io is not None:
@@ -726,23 +637,3 @@ class DiskTier:
                 hook(arg)
             except Exception:  # a caller's hook must never leave the tier half-updated
                 log.exception("disk tier: hook %r(%r) raised", hook, arg)
-
-
-def _flock(path: Path, mode: int, holder: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DirectoryLockedError(f"{path.parent} is in use by {holder}") from None
-    return fd
-
-
-def _unlink_quietly(path: Path | None) -> None:
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.error("disk tier: cannot remove %s: %s", path, e)

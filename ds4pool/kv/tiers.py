@@ -46,7 +46,8 @@ import torch
 
 from ds4pool.kv.blocks import BlockTable
 from ds4pool.kv.config import PoolConfig, PoolObserver
-from ds4pool.kv.disk import DiskEntry, DiskTier
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import DiskEntry
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder

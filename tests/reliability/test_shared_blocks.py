@@ -20,7 +20,8 @@ import pytest
 from ds4pool.engine import Engine, EngineConfig
 from ds4pool.kv.blockfile import decode_block, read_block_header
 from ds4pool.kv.blockstore import BLOCK_SUFFIX
-from ds4pool.kv.disk import QUARANTINE_DIR, DiskTier
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import QUARANTINE_DIR
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import PoolObserver
 from ds4pool.kv.snapshot import Snapshot
