@@ -36,9 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,7 @@ from ds4pool.kv.disk_files import (
     unlink_quietly,
     write_temp,
 )
+from ds4pool.kv.disk_index import DiskIndex
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
@@ -108,23 +107,19 @@ class DiskTier:
         self.quarantine_dir = self.directory / QUARANTINE_DIR
         self.fingerprint = fingerprint
         self.shuffle = shuffle
-        self._budget_bytes = budget_bytes
         self._on_error = on_error
         self._on_evict = on_evict
         self._on_io = on_io  # ("read" | "write", bytes) after each successful read/write
         self.replica_id = replica_id
         self._owns = owns
-        # shared store only: the inode of each file this replica wrote (see the docstring)
-        self._ours: dict[SessionKey, int] = {}
         self._tmp_prefix = f".{replica_id}." if replica_id else "."
         self._lock = threading.Lock()
-        self._index: OrderedDict[SessionKey, DiskEntry] = OrderedDict()  # LRU first
-        self._used_bytes = 0  # session files; the block files' bytes are self._blocks'
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         # a replica shares block files with the others: it never deletes one (kv/blockstore.py)
         self._blocks = BlockFiles(
             self.directory, fingerprint, shuffle, self._quarantine, shared=bool(replica_id)
         )
+        self._index = DiskIndex(self._blocks, budget_bytes, replica_id)
         self._lock_fds = lock_directory(self.directory, self.replica_id)
         self._rebuild_index()
 
@@ -132,23 +127,19 @@ class DiskTier:
 
     @property
     def budget_bytes(self) -> int:
-        return self._budget_bytes
+        return self._index.budget_bytes
 
     @property
     def used_bytes(self) -> int:
         """Session files plus every block file once."""
         with self._lock:
-            return self._total_bytes
+            return self._index.total_bytes
 
     @property
     def block_bytes(self) -> int:
         """The shared block files' part of used_bytes."""
         with self._lock:
             return self._blocks.used_bytes
-
-    @property
-    def _total_bytes(self) -> int:  # lock held
-        return self._used_bytes + self._blocks.used_bytes
 
     def has_block(self, key: str) -> bool:
         """True when block file `key` (hex chain key) is indexed: a snapshot listing it in
@@ -163,21 +154,21 @@ class DiskTier:
 
     def contains(self, tenant: str, session_id: str) -> bool:
         with self._lock:
-            return (tenant, session_id) in self._index
+            return (tenant, session_id) in self._index.entries
 
     def keys(self) -> list[SessionKey]:
         """All keys, least recently used first."""
         with self._lock:
-            return list(self._index)
+            return list(self._index.entries)
 
     def entries(self) -> list[DiskEntry]:
         """All entries, least recently used first (what the pool rebuilds its sessions from)."""
         with self._lock:
-            return list(self._index.values())
+            return list(self._index.entries.values())
 
     def info(self, tenant: str, session_id: str) -> DiskEntry | None:
         with self._lock:
-            return self._index.get((tenant, session_id))
+            return self._index.entries.get((tenant, session_id))
 
     def write(self, snapshot: Snapshot) -> int:
         """Persist atomically, then evict LRU snapshots (never this one) down to the budget.
@@ -208,13 +199,13 @@ class DiskTier:
         with self._lock:
             blocks = [self._blocks.entries.get(k) for k in dict.fromkeys(h.shared)]
             need = written.file_bytes + sum(b.num_bytes for b in blocks if b is not None)
-        if need > self._budget_bytes:
+        if need > self._index.budget_bytes:
             unlink_quietly(tmp)
             self.delete(*key)
             self._report("too_large")
             raise SnapshotTooLargeError(
                 f"snapshot of {need} bytes (its shared blocks included) exceeds the "
-                f"disk budget of {self._budget_bytes}"
+                f"disk budget of {self._index.budget_bytes}"
             )
         try:
             with self._lock:
@@ -223,8 +214,8 @@ class DiskTier:
                     raise OSError(errno.EIO, "a shared block file was quarantined")
                 os.replace(tmp, path)  # the only other call here that can raise
                 if self.replica_id:
-                    self._ours[key] = os.stat(path).st_ino
-                self._put(
+                    self._index.ours[key] = os.stat(path).st_ino
+                self._index.put(
                     DiskEntry(
                         *key,
                         path,
@@ -235,7 +226,7 @@ class DiskTier:
                         h.shared,
                     )
                 )
-                evicted = self._evict_to_budget(keep=key)
+                evicted = self._index.evict_to_budget(keep=key)
         except OSError as e:
             unlink_quietly(tmp)
             self._report("write")
@@ -273,7 +264,7 @@ class DiskTier:
         kv=False: its tokens and text only (decode_snapshot's kv=False: no block file read)."""
         key = (tenant, session_id)
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._index.entries.get(key)
             if entry is None:
                 return None
             try:
@@ -281,7 +272,7 @@ class DiskTier:
             except OSError as e:
                 log.error("disk tier: cannot open %s: %s", entry.path.name, e)
                 if isinstance(e, FileNotFoundError):
-                    self._drop(key)
+                    self._index.drop(key)
                 f = None
         if f is None:
             self._report("io")
@@ -337,9 +328,9 @@ class DiskTier:
         if error.quarantined:
             self._report(error.kind)
         with self._lock:
-            dropped = [e for k, e in list(self._index.items()) if error.key in e.blocks]
+            dropped = [e for k, e in list(self._index.entries.items()) if error.key in e.blocks]
             for e in dropped:
-                self._drop((e.tenant, e.session_id))
+                self._index.drop((e.tenant, e.session_id))
         log.warning(
             "disk tier: block %s failed (%s): %d session file(s) relying on it deleted",
             error.key,
@@ -354,19 +345,11 @@ class DiskTier:
         """Raise AssertionError if the index, the block files' reference counts and the byte
         counts disagree (a block file's count == the indexed session files listing it)."""
         with self._lock:
-            refs: Counter[str] = Counter(k for e in self._index.values() for k in e.blocks)
-            blocks = self._blocks
-            assert +blocks.refs == refs, "block file reference counts are off"
-            for k in refs:
-                assert k in blocks.entries, f"a session file lists block {k}, not indexed"
-            assert self._used_bytes == sum(e.num_bytes for e in self._index.values())
-            assert blocks.used_bytes == sum(e.num_bytes for e in blocks.entries.values())
-            unlisted = [k for k in blocks.entries if not refs[k] and not blocks.pending[k]]
-            assert not unlisted, f"block files no session lists: {unlisted}"
+            self._index.check_integrity()
 
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
-            return self._drop((tenant, session_id)) is not None
+            return self._index.drop((tenant, session_id)) is not None
 
     def adopt(self, tenant: str, session_id: str) -> DiskEntry | None:
         """Shared store: index the key's snapshot as the store holds it now (written by
@@ -380,11 +363,11 @@ class DiskTier:
                 raise SnapshotError("format", f"file holds {entry.tenant, entry.session_id}")
         except FileNotFoundError:
             with self._lock:
-                self._forget(key)
+                self._index.forget(key)
             return None
         except SnapshotError as e:
             with self._lock:
-                self._forget(key)
+                self._index.forget(key)
                 self._quarantine(path, e)
             self._report(e.kind)
             return None
@@ -393,11 +376,11 @@ class DiskTier:
             self._report("io")
             return None
         with self._lock:
-            self._forget(key)
+            self._index.forget(key)
             error = self._index_blocks_of(entry)
             if error is None:
-                self._put(entry)
-                evicted = self._evict_to_budget(keep=key)
+                self._index.put(entry)
+                evicted = self._index.evict_to_budget(keep=key)
         if error is not None:
             self._report(error)
             return None
@@ -451,83 +434,14 @@ class DiskTier:
     def _fsync_directory(self) -> None:
         fsync_directory(self.directory)
 
-    # ------------------------------------------------------------------ index (lock held)
-
-    def _put(self, entry: DiskEntry) -> None:
-        key = (entry.tenant, entry.session_id)
-        old = self._index.pop(key, None)
-        self._used_bytes += entry.num_bytes - (old.num_bytes if old else 0)
-        self._blocks.ref(entry.blocks)
-        if old is not None:
-            self._blocks.unref(old.blocks)
-            self._blocks.collect(old.blocks)  # those the new snapshot no longer lists
-        self._index[key] = entry  # most recently used: the end
-
-    def _drop(self, key: SessionKey) -> DiskEntry | None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used_bytes -= entry.num_bytes
-            unlink_quietly(entry.path)
-            self._blocks.unref(entry.blocks)
-            self._blocks.collect(entry.blocks)
-        self._ours.pop(key, None)
-        return entry
-
-    def _forget(self, key: SessionKey) -> DiskEntry | None:
-        """Out of the index, the file left alone (another replica's, or gone)."""
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used_bytes -= entry.num_bytes
-            self._blocks.unref(entry.blocks)
-            self._blocks.collect(entry.blocks)  # shared: out of our index, files kept
-        self._ours.pop(key, None)
-        return entry
-
-    def _evict(self, key: SessionKey) -> DiskEntry | None:
-        """Budget eviction: a private tier deletes; a replica deletes only the file it
-        wrote. Renamed aside first, so that a file another replica renamed into place
-        after our check is put back, never deleted."""
-        if not self.replica_id:
-            return self._drop(key)
-        ino, entry = self._ours.get(key), self._forget(key)
-        if entry is None or ino is None:
-            return entry
-        aside = entry.path.with_name(f".{entry.path.name}.{self.replica_id}.evict")
-        try:
-            os.rename(entry.path, aside)
-        except OSError:
-            return entry  # gone already
-        if os.stat(aside).st_ino != ino:
-            try:
-                os.link(aside, entry.path)  # not ours: put it back
-            except OSError:
-                pass  # a newer one is in place: ours was the stale one
-        unlink_quietly(aside)
-        return entry
-
-    def _evict_to_budget(self, keep: SessionKey | None) -> list[DiskEntry]:
-        evicted = []
-        victims = (k for k in list(self._index) if k != keep)
-        while self._total_bytes > self._budget_bytes:
-            # `keep` with its blocks alone fits (write() checked); only block files another
-            # write is still filling (held, listed by no session yet) can outlast the
-            # victims, and that write evicts for them when it lands
-            victim = next(victims, None)
-            if victim is None:
-                break
-            entry = self._evict(victim)
-            assert entry is not None
-            evicted.append(entry)
-        return evicted
+    # ------------------------------------------------------------------ index
 
     def _touch(self, key: SessionKey) -> None:
         now = time.time()
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                return  # deleted or evicted meanwhile
-            self._index.move_to_end(key)  # its blocks' references stay as they are
-            self._index[key] = replace(entry, last_used=now)
+            entry = self._index.touch(key, now)
+        if entry is None:
+            return  # deleted or evicted meanwhile
         try:
             os.utime(entry.path, (now, now))  # persist the LRU position for the next start
         except OSError:
@@ -537,17 +451,14 @@ class DiskTier:
         self, key: SessionKey, opened: os.stat_result, error: SnapshotError
     ) -> None:
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._index.entries.get(key)
             try:
                 st = os.stat(entry.path) if entry else None
             except OSError:
                 st = None
             # A concurrent write() may have replaced the bad file: never quarantine its successor.
             if entry and st and (st.st_ino, st.st_dev) == (opened.st_ino, opened.st_dev):
-                self._index.pop(key)
-                self._used_bytes -= entry.num_bytes
-                self._blocks.unref(entry.blocks)
-                self._blocks.collect(entry.blocks)
+                self._index.unindex(key)
                 self._quarantine(entry.path, error)
 
     def _quarantine(self, path: Path, error: SnapshotError) -> None:
@@ -575,7 +486,9 @@ class DiskTier:
                             continue  # another replica's: adopted on a miss, not indexed
                         found.append(read_entry(path, self.fingerprint))
                         if self.replica_id:
-                            self._ours[(found[-1].tenant, found[-1].session_id)] = item.inode()
+                            self._index.ours[(found[-1].tenant, found[-1].session_id)] = (
+                                item.inode()
+                            )
                     else:
                         self._blocks.index_file(path)
                 except SnapshotError as e:
@@ -587,7 +500,7 @@ class DiskTier:
         blocks = self._blocks.entries
         for entry in sorted(found, key=lambda e: (e.last_used, e.path.name)):
             if all(k in blocks and blocks[k].tenant == entry.tenant for k in entry.blocks):
-                self._put(entry)
+                self._index.put(entry)
             else:
                 log.warning("disk tier: %s lacks a block file; deleted", entry.path.name)
                 unlink_quietly(entry.path)
@@ -599,13 +512,13 @@ class DiskTier:
                 len(orphans),
             )
         self._blocks.collect(orphans)
-        for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
+        for entry in self._index.evict_to_budget(keep=None):  # the budget may have shrunk
             log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
         log.info(
             "disk tier: %d snapshots, %d block files, %d bytes in %s",
-            len(self._index),
+            len(self._index.entries),
             len(self._blocks.entries),
-            self._total_bytes,
+            self._index.total_bytes,
             self.directory,
         )
         for kind in errors:
