@@ -40,14 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ds4pool.kv.blockstore import BLOCK_SUFFIX, BlockFileError, BlockFiles
+from ds4pool.kv.blockstore import BlockFileError, BlockFiles
 from ds4pool.kv.disk_files import (
     QUARANTINE_DIR,
-    SNAP_SUFFIX,
-    TMP_SUFFIX,
     DiskEntry,
     SessionKey,
-    file_key,
     fsync_directory,
     lock_directory,
     quarantine_file,
@@ -57,6 +54,7 @@ from ds4pool.kv.disk_files import (
     write_temp,
 )
 from ds4pool.kv.disk_index import DiskIndex
+from ds4pool.kv.disk_scan import index_blocks_of, rebuild_index
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
@@ -377,7 +375,7 @@ class DiskTier:
             return None
         with self._lock:
             self._index.forget(key)
-            error = self._index_blocks_of(entry)
+            error = index_blocks_of(self._index, entry, self._quarantine)
             if error is None:
                 self._index.put(entry)
                 evicted = self._index.evict_to_budget(keep=key)
@@ -387,27 +385,6 @@ class DiskTier:
         for old in evicted:
             self._call(self._on_evict, old)
         return entry
-
-    def _index_blocks_of(self, entry: DiskEntry) -> str | None:
-        """Index the block files an adopted snapshot lists that we have not indexed (another
-        replica wrote them; lock held). The error kind when one is missing or invalid."""
-        added = []
-        try:
-            for k in dict.fromkeys(entry.blocks):
-                if k not in self._blocks.entries:
-                    block = self._blocks.index_file(self._blocks.path_for(k))
-                    added.append(k)
-                    if block.tenant != entry.tenant:
-                        raise SnapshotError("format", f"block {k} is another tenant's")
-            return None
-        except SnapshotError as e:
-            self._quarantine(self._blocks.path_for(k), e)
-            return e.kind
-        except OSError as e:
-            log.error("disk tier: block file %s of %s: %s", k, entry.path.name, e)
-            return "io"
-        finally:
-            self._blocks.collect(added)  # those no session of ours lists after all
 
     def close(self) -> None:
         """Release the directory lock. The files stay; a new DiskTier will index them."""
@@ -467,70 +444,16 @@ class DiskTier:
     # ------------------------------------------------------------------ start-up
 
     def _rebuild_index(self) -> None:
-        """Index every valid *.snap and *.blk by its header alone; delete temp files left by a
-        crash, session files whose block files are gone or bad, and block files no session
-        file lists (a crash between a block write and its session's rename)."""
-        found: list[DiskEntry] = []
-        errors: list[str] = []
-        for item in os.scandir(self.directory):
-            path = Path(item.path)
-            if not item.is_file(follow_symlinks=False):
-                continue
-            if item.name.endswith(TMP_SUFFIX) and item.name.startswith(self._tmp_prefix):
-                log.info("disk tier: removing leftover temp file %s", item.name)
-                unlink_quietly(path)
-            elif item.name.endswith((SNAP_SUFFIX, BLOCK_SUFFIX)):
-                try:
-                    if item.name.endswith(SNAP_SUFFIX):
-                        if self._owns is not None and not self._owns_file(path):
-                            continue  # another replica's: adopted on a miss, not indexed
-                        found.append(read_entry(path, self.fingerprint))
-                        if self.replica_id:
-                            self._index.ours[(found[-1].tenant, found[-1].session_id)] = (
-                                item.inode()
-                            )
-                    else:
-                        self._blocks.index_file(path)
-                except SnapshotError as e:
-                    self._quarantine(path, e)
-                    errors.append(e.kind)
-                except OSError as e:
-                    log.error("disk tier: cannot read %s: %s", item.name, e)
-                    errors.append("io")
-        blocks = self._blocks.entries
-        for entry in sorted(found, key=lambda e: (e.last_used, e.path.name)):
-            if all(k in blocks and blocks[k].tenant == entry.tenant for k in entry.blocks):
-                self._index.put(entry)
-            else:
-                log.warning("disk tier: %s lacks a block file; deleted", entry.path.name)
-                unlink_quietly(entry.path)
-        orphans = [k for k in blocks if not self._blocks.refs[k]]
-        if orphans:
-            log.info(
-                "disk tier: %s %d block files no session of ours lists",
-                "not indexing (another replica's may)" if self.replica_id else "removing",
-                len(orphans),
-            )
-        self._blocks.collect(orphans)
-        for entry in self._index.evict_to_budget(keep=None):  # the budget may have shrunk
-            log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
-        log.info(
-            "disk tier: %d snapshots, %d block files, %d bytes in %s",
-            len(self._index.entries),
-            len(self._blocks.entries),
-            self._index.total_bytes,
+        errors = rebuild_index(
+            self._index,
             self.directory,
+            self.fingerprint,
+            self._tmp_prefix,
+            self._owns,
+            self._quarantine,
         )
         for kind in errors:
             self._report(kind)
-
-    def _owns_file(self, path: Path) -> bool:
-        assert self._owns is not None
-        try:
-            key = file_key(path)
-        except SnapshotError:
-            return False  # a foreign replica's problem as much as ours: checked on adopt
-        return self._owns(key)
 
     def _call_io(self, op: str, num_bytes: int) -> None:
         if self._on_io is not None:
