@@ -38,9 +38,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from ds4pool.kv.blockstore import BlockFileError, BlockFiles
+from ds4pool.kv.blockstore import BlockFiles
 from ds4pool.kv.disk_files import (
     QUARANTINE_DIR,
     DiskEntry,
@@ -53,20 +52,17 @@ from ds4pool.kv.disk_files import (
     unlink_quietly,
     write_temp,
 )
+from ds4pool.kv.disk_hooks import DiskHooks
 from ds4pool.kv.disk_index import DiskIndex
+from ds4pool.kv.disk_read import DiskReader
 from ds4pool.kv.disk_scan import index_blocks_of, rebuild_index
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
-from ds4pool.kv.snapshot import Snapshot, decode_snapshot
+from ds4pool.kv.snapshot import Snapshot
 from ds4pool.kv.snapshot_header import SnapshotHeader
 
 log = logging.getLogger(__name__)
-
-# Every kind on_error() may receive: SnapshotError kinds (the file was quarantined), plus
-# "write" (a write failed, the old snapshot is intact), "too_large" (a snapshot alone exceeds
-# the budget and was dropped), "io" (a read hit an OSError; the file is kept, if it exists).
-ERROR_KINDS = (*SnapshotError.KINDS, "write", "too_large", "io")
 
 
 class DiskWriteError(OSError):
@@ -81,10 +77,11 @@ class DiskTier:
     """The cold tier of the session pool (see the module docstring for the invariants).
     write() runs on the pool's writer thread, read() on its worker thread.
 
-    on_error(kind) is called for every failure (kinds: ERROR_KINDS). on_evict(entry) is called
-    for every snapshot that write() deleted to stay within the budget, after the fact and
-    outside the tier's lock (so it may call back into the pool); not for delete(), quarantine
-    or the evictions done at start-up (entries() never lists those)."""
+    on_error(kind) is called for every failure (kinds: kv/disk_hooks.py's ERROR_KINDS).
+    on_evict(entry) is called for every snapshot that write() deleted to stay within the
+    budget, after the fact and outside the tier's lock (so it may call back into the pool);
+    not for delete(), quarantine or the evictions done at start-up (entries() never lists
+    those)."""
 
     def __init__(
         self,
@@ -105,9 +102,7 @@ class DiskTier:
         self.quarantine_dir = self.directory / QUARANTINE_DIR
         self.fingerprint = fingerprint
         self.shuffle = shuffle
-        self._on_error = on_error
-        self._on_evict = on_evict
-        self._on_io = on_io  # ("read" | "write", bytes) after each successful read/write
+        self._hooks = DiskHooks(on_error, on_evict, on_io)
         self.replica_id = replica_id
         self._owns = owns
         self._tmp_prefix = f".{replica_id}." if replica_id else "."
@@ -118,6 +113,9 @@ class DiskTier:
             self.directory, fingerprint, shuffle, self._quarantine, shared=bool(replica_id)
         )
         self._index = DiskIndex(self._blocks, budget_bytes, replica_id)
+        self._reader = DiskReader(
+            self._lock, self._index, fingerprint, self._hooks, self._quarantine
+        )
         self._lock_fds = lock_directory(self.directory, self.replica_id)
         self._rebuild_index()
 
@@ -200,7 +198,7 @@ class DiskTier:
         if need > self._index.budget_bytes:
             unlink_quietly(tmp)
             self.delete(*key)
-            self._report("too_large")
+            self._hooks.error("too_large")
             raise SnapshotTooLargeError(
                 f"snapshot of {need} bytes (its shared blocks included) exceeds the "
                 f"disk budget of {self._index.budget_bytes}"
@@ -227,13 +225,13 @@ class DiskTier:
                 evicted = self._index.evict_to_budget(keep=key)
         except OSError as e:
             unlink_quietly(tmp)
-            self._report("write")
+            self._hooks.error("write")
             raise DiskWriteError(e.errno, f"renaming snapshot into place: {e}") from e
         self._fsync_directory()  # makes the rename durable; a crash before it keeps the old file
-        self._call_io("write", written.file_bytes)
+        self._hooks.io("write", written.file_bytes)
         for entry in evicted:
             log.info("disk tier: evicted %s (%d bytes, LRU)", entry.path.name, entry.num_bytes)
-            self._call(self._on_evict, entry)
+            self._hooks.evicted(entry)
         return written.file_bytes
 
     def _write_blocks(self, snapshot: Snapshot) -> None:
@@ -250,7 +248,7 @@ class DiskTier:
                 wrote = True
             except OSError as e:
                 log.error("disk tier: writing block %s of %s: %s", k, snapshot.key, e)
-                self._report("write")
+                self._hooks.error("write")
                 raise DiskWriteError(e.errno or errno.EIO, f"writing a block file: {e}") from e
         if wrote:
             self._fsync_directory()  # the block renames are durable before the session's
@@ -260,84 +258,7 @@ class DiskTier:
         absent or invalid (then quarantined, reported). A bad block file is quarantined and
         every session file relying on it is deleted: on_evict is called for those others.
         kv=False: its tokens and text only (decode_snapshot's kv=False: no block file read)."""
-        key = (tenant, session_id)
-        with self._lock:
-            entry = self._index.entries.get(key)
-            if entry is None:
-                return None
-            try:
-                f = open(entry.path, "rb")  # opened under the lock (vs rename), read outside it
-            except OSError as e:
-                log.error("disk tier: cannot open %s: %s", entry.path.name, e)
-                if isinstance(e, FileNotFoundError):
-                    self._index.drop(key)
-                f = None
-        if f is None:
-            self._report("io")
-            return None
-        with f:
-            try:
-                snap = decode_snapshot(f, self.fingerprint, self._read_block, kv=kv)
-                if snap.key != key:
-                    raise SnapshotError("format", f"file holds {snap.key}, expected {key}")
-            except BlockFileError as e:
-                self._lost_block(e, key)
-                return None
-            except SnapshotError as e:
-                self._quarantine_if_current(key, os.fstat(f.fileno()), e)
-                self._report(e.kind)
-                return None
-            except OSError as e:
-                log.error("disk tier: reading %s: %s", entry.path.name, e)
-                self._report("io")
-                return None
-        self._touch(key)
-        self._call_io("read", entry.num_bytes)
-        return snap
-
-    def _read_block(self, key: str, tenant: str, position: int, ids: list[int]) -> list[Any]:
-        """decode_snapshot's BlockReader: one shared block, fully verified, or BlockFileError
-        (quarantined now, when its file failed; `quarantined` False when it was gone)."""
-        with self._lock:
-            hit = self._blocks.cached(key, tenant, position, ids)
-            opened = None if hit is not None else self._blocks.open(key)
-        if hit is not None:
-            return hit  # verified when read; _with_blocks copies it, never hands it out
-        if opened is None:
-            raise BlockFileError("format", f"block file {key} is missing", key)
-        entry, f = opened
-        with f:
-            try:
-                if entry.tenant != tenant:
-                    raise SnapshotError("format", f"block {key} belongs to another tenant")
-                kv = self._blocks.decode(f, key, tenant, position, ids)
-            except SnapshotError as e:
-                with self._lock:
-                    done = self._blocks.quarantine_if_current(key, os.fstat(f.fileno()), e)
-                raise BlockFileError(e.kind, str(e), key, quarantined=done) from e
-        with self._lock:
-            self._blocks.remember(key, tenant, position, ids, kv)
-        return kv
-
-    def _lost_block(self, error: BlockFileError, reading: SessionKey) -> None:
-        """Every session file listing a block that failed (or is gone) goes: nothing of it can
-        be loaded. The one being read is reported by read() returning None, the others
-        through on_evict (the pool forgets them; their next request recomputes)."""
-        if error.quarantined:
-            self._report(error.kind)
-        with self._lock:
-            dropped = [e for k, e in list(self._index.entries.items()) if error.key in e.blocks]
-            for e in dropped:
-                self._index.drop((e.tenant, e.session_id))
-        log.warning(
-            "disk tier: block %s failed (%s): %d session file(s) relying on it deleted",
-            error.key,
-            error,
-            len(dropped),
-        )
-        for e in dropped:
-            if (e.tenant, e.session_id) != reading:
-                self._call(self._on_evict, e)
+        return self._reader.read((tenant, session_id), kv=kv)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the index, the block files' reference counts and the byte
@@ -367,11 +288,11 @@ class DiskTier:
             with self._lock:
                 self._index.forget(key)
                 self._quarantine(path, e)
-            self._report(e.kind)
+            self._hooks.error(e.kind)
             return None
         except OSError as e:
             log.error("disk tier: cannot read %s: %s", path.name, e)
-            self._report("io")
+            self._hooks.error("io")
             return None
         with self._lock:
             self._index.forget(key)
@@ -380,10 +301,10 @@ class DiskTier:
                 self._index.put(entry)
                 evicted = self._index.evict_to_budget(keep=key)
         if error is not None:
-            self._report(error)
+            self._hooks.error(error)
             return None
         for old in evicted:
-            self._call(self._on_evict, old)
+            self._hooks.evicted(old)
         return entry
 
     def close(self) -> None:
@@ -405,38 +326,13 @@ class DiskTier:
             return write_temp(self.directory, self._tmp_prefix, snapshot, self.shuffle, now)
         except OSError as e:
             log.error("disk tier: writing %s: %s", snapshot.key, e)
-            self._report("write")
+            self._hooks.error("write")
             raise DiskWriteError(e.errno or errno.EIO, f"writing snapshot: {e}") from e
 
     def _fsync_directory(self) -> None:
         fsync_directory(self.directory)
 
     # ------------------------------------------------------------------ index
-
-    def _touch(self, key: SessionKey) -> None:
-        now = time.time()
-        with self._lock:
-            entry = self._index.touch(key, now)
-        if entry is None:
-            return  # deleted or evicted meanwhile
-        try:
-            os.utime(entry.path, (now, now))  # persist the LRU position for the next start
-        except OSError:
-            pass  # only the order after a restart suffers
-
-    def _quarantine_if_current(
-        self, key: SessionKey, opened: os.stat_result, error: SnapshotError
-    ) -> None:
-        with self._lock:
-            entry = self._index.entries.get(key)
-            try:
-                st = os.stat(entry.path) if entry else None
-            except OSError:
-                st = None
-            # A concurrent write() may have replaced the bad file: never quarantine its successor.
-            if entry and st and (st.st_ino, st.st_dev) == (opened.st_ino, opened.st_dev):
-                self._index.unindex(key)
-                self._quarantine(entry.path, error)
 
     def _quarantine(self, path: Path, error: SnapshotError) -> None:
         quarantine_file(self.quarantine_dir, path, error)
@@ -453,23 +349,4 @@ class DiskTier:
             self._quarantine,
         )
         for kind in errors:
-            self._report(kind)
-
-    def _call_io(self, op: str, num_bytes: int) -> None:
-        if self._on_io is not None:
-            try:
-                self._on_io(op, num_bytes)
-            except Exception:
-                log.exception("disk tier: io hook raised")
-
-    def _report(self, kind: str) -> None:
-        assert kind in ERROR_KINDS, kind
-        self._call(self._on_error, kind)
-
-    @staticmethod
-    def _call(hook: Callable[[Any], None] | None, arg: object) -> None:
-        if hook is not None:
-            try:
-                hook(arg)
-            except Exception:  # a caller's hook must never leave the tier half-updated
-                log.exception("disk tier: hook %r(%r) raised", hook, arg)
+            self._hooks.error(kind)
