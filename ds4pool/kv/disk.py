@@ -31,11 +31,9 @@ so a start removes only its own leftovers.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,33 +42,22 @@ from ds4pool.kv.disk_files import (
     QUARANTINE_DIR,
     DiskEntry,
     SessionKey,
-    fsync_directory,
     lock_directory,
     quarantine_file,
     read_entry,
     session_file_name,
-    unlink_quietly,
-    write_temp,
 )
 from ds4pool.kv.disk_hooks import DiskHooks
 from ds4pool.kv.disk_index import DiskIndex
 from ds4pool.kv.disk_read import DiskReader
 from ds4pool.kv.disk_scan import index_blocks_of, rebuild_index
+from ds4pool.kv.disk_write import DiskWriter
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
 from ds4pool.kv.snapshot import Snapshot
-from ds4pool.kv.snapshot_header import SnapshotHeader
 
 log = logging.getLogger(__name__)
-
-
-class DiskWriteError(OSError):
-    """Writing a snapshot failed (ENOSPC, EIO, ...); the previous snapshot of the key is intact."""
-
-
-class SnapshotTooLargeError(ValueError):
-    """One snapshot alone exceeds the disk budget. It was not kept, nor was the key's older one."""
 
 
 class DiskTier:
@@ -115,6 +102,9 @@ class DiskTier:
         self._index = DiskIndex(self._blocks, budget_bytes, replica_id)
         self._reader = DiskReader(
             self._lock, self._index, fingerprint, self._hooks, self._quarantine
+        )
+        self._writer = DiskWriter(
+            self._lock, self._index, self.directory, self._tmp_prefix, shuffle, self._hooks
         )
         self._lock_fds = lock_directory(self.directory, self.replica_id)
         self._rebuild_index()
@@ -172,86 +162,10 @@ class DiskTier:
         SnapshotTooLargeError (key now absent), after calling on_error. The KV tensors must
         not change until this returns, and writes of one key must not race each other
         (the pool's single writer thread orders them): the last rename wins."""
-        h = snapshot.header
-        if h.fingerprint != self.fingerprint:
-            raise ValueError(f"snapshot fingerprint {h.fingerprint} is not this tier's")
-        with self._lock:
-            self._blocks.hold(h.shared)  # no eviction may take them until the rename below
-        try:
-            return self._write_held(snapshot)
-        finally:
-            with self._lock:
-                self._blocks.unhold(h.shared)
-                self._blocks.collect(h.shared)
-
-    def _write_held(self, snapshot: Snapshot) -> int:
-        """write(), its shared blocks held: block files first (those not on disk yet), then
-        the session file that lists them, so a crash in between leaves only orphan block
-        files (deleted at the next start), never a session without its blocks."""
-        h = snapshot.header
-        key, path, now = snapshot.key, self.path_for(*snapshot.key), time.time()
-        self._write_blocks(snapshot)
-        tmp, written = self._write_temp(snapshot, now)
-        with self._lock:
-            blocks = [self._blocks.entries.get(k) for k in dict.fromkeys(h.shared)]
-            need = written.file_bytes + sum(b.num_bytes for b in blocks if b is not None)
-        if need > self._index.budget_bytes:
-            unlink_quietly(tmp)
-            self.delete(*key)
-            self._hooks.error("too_large")
-            raise SnapshotTooLargeError(
-                f"snapshot of {need} bytes (its shared blocks included) exceeds the "
-                f"disk budget of {self._index.budget_bytes}"
-            )
-        try:
-            with self._lock:
-                if any(k not in self._blocks.entries for k in h.shared):
-                    # a read quarantined one meanwhile: never list a missing block file
-                    raise OSError(errno.EIO, "a shared block file was quarantined")
-                os.replace(tmp, path)  # the only other call here that can raise
-                if self.replica_id:
-                    self._index.ours[key] = os.stat(path).st_ino
-                self._index.put(
-                    DiskEntry(
-                        *key,
-                        path,
-                        written.file_bytes,
-                        h.num_tokens,
-                        h.num_kv_tokens,
-                        now,
-                        h.shared,
-                    )
-                )
-                evicted = self._index.evict_to_budget(keep=key)
-        except OSError as e:
-            unlink_quietly(tmp)
-            self._hooks.error("write")
-            raise DiskWriteError(e.errno, f"renaming snapshot into place: {e}") from e
-        self._fsync_directory()  # makes the rename durable; a crash before it keeps the old file
-        self._hooks.io("write", written.file_bytes)
-        for entry in evicted:
-            log.info("disk tier: evicted %s (%d bytes, LRU)", entry.path.name, entry.num_bytes)
-            self._hooks.evicted(entry)
-        return written.file_bytes
-
-    def _write_blocks(self, snapshot: Snapshot) -> None:
-        """Write the snapshot's shared blocks that have no file yet (held by the caller)."""
-        h, wrote = snapshot.header, False
-        for i, k in enumerate(h.shared):
-            with self._lock:
-                if k in self._blocks.entries:
-                    continue
-            try:
-                tmp, num_bytes = self._blocks.write_temp(snapshot.block(i))
-                with self._lock:
-                    self._blocks.install(k, h.tenant, tmp, num_bytes)
-                wrote = True
-            except OSError as e:
-                log.error("disk tier: writing block %s of %s: %s", k, snapshot.key, e)
-                self._hooks.error("write")
-                raise DiskWriteError(e.errno or errno.EIO, f"writing a block file: {e}") from e
-        if wrote:
-            self._fsync_directory()  # the block renames are durable before the session's
+        fp = snapshot.header.fingerprint
+        if fp != self.fingerprint:
+            raise ValueError(f"snapshot fingerprint {fp} is not this tier's")
+        return self._writer.write(snapshot, self.path_for(*snapshot.key))
 
     def read(self, tenant: str, session_id: str, *, kv: bool = True) -> Snapshot | None:
         """The validated snapshot (its shared blocks read from their block files), or None if
@@ -319,20 +233,7 @@ class DiskTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ writing
-
-    def _write_temp(self, snapshot: Snapshot, now: float) -> tuple[Path, SnapshotHeader]:
-        try:
-            return write_temp(self.directory, self._tmp_prefix, snapshot, self.shuffle, now)
-        except OSError as e:
-            log.error("disk tier: writing %s: %s", snapshot.key, e)
-            self._hooks.error("write")
-            raise DiskWriteError(e.errno or errno.EIO, f"writing snapshot: {e}") from e
-
-    def _fsync_directory(self) -> None:
-        fsync_directory(self.directory)
-
-    # ------------------------------------------------------------------ index
+    # ------------------------------------------------------------------ internals
 
     def _quarantine(self, path: Path, error: SnapshotError) -> None:
         quarantine_file(self.quarantine_dir, path, error)

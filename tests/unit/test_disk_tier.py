@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import ds4pool.kv.disk_files as disk_files
-from ds4pool.kv.disk import DiskTier, DiskWriteError, SnapshotTooLargeError
+from ds4pool.kv.disk import DiskTier
 from ds4pool.kv.disk_files import DirectoryLockedError, DiskEntry
+from ds4pool.kv.disk_write import DiskWriteError, SnapshotTooLargeError
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.snapshot import Snapshot, encode_snapshot
 from ds4pool.kv.snapshot_header import read_header
