@@ -27,6 +27,10 @@ accepts (their lease names it), `adopt()`s another replica's snapshot on a miss,
 (eviction) only a file it wrote itself: the inode it wrote is remembered, and a file another
 replica has rewritten since is forgotten instead of deleted. Temp files carry the replica id,
 so a start removes only its own leftovers.
+
+DiskTier holds the lock and the hooks; its parts, each with the lock as the tier takes it:
+`disk_files.py` (one file operation each), `disk_index.py` (index, LRU, budget),
+`disk_write.py`, `disk_read.py`, `disk_scan.py` (start-up and adoption), `disk_hooks.py`.
 """
 
 from __future__ import annotations

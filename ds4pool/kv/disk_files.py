@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ds4pool.kv.snapshot_header import SnapshotHeader, check_fingerprint, read_h
 log = logging.getLogger(__name__)
 
 SessionKey = tuple[str, str]  # (tenant, session_id)
+Quarantine = Callable[[Path, SnapshotError], None]  # the tier's quarantine_file, bound
 SNAP_SUFFIX = ".snap"
 TMP_SUFFIX = ".tmp"  # temp files are ".<random>.tmp": never a valid snapshot name
 QUARANTINE_DIR = "quarantine"

@@ -17,10 +17,9 @@ import time
 from typing import Any
 
 from ds4pool.kv.blockstore import BlockFileError
-from ds4pool.kv.disk_files import SessionKey
+from ds4pool.kv.disk_files import Quarantine, SessionKey
 from ds4pool.kv.disk_hooks import DiskHooks
 from ds4pool.kv.disk_index import DiskIndex
-from ds4pool.kv.disk_scan import Quarantine
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.snapshot import Snapshot, decode_snapshot

@@ -16,6 +16,7 @@ from ds4pool.kv.disk_files import (
     SNAP_SUFFIX,
     TMP_SUFFIX,
     DiskEntry,
+    Quarantine,
     SessionKey,
     file_key,
     read_entry,
@@ -26,8 +27,6 @@ from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError
 
 log = logging.getLogger(__name__)
-
-Quarantine = Callable[[Path, SnapshotError], None]  # the tier's: move aside, write .reason
 
 
 def rebuild_index(
