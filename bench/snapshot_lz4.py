@@ -24,15 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ds4pool.kv.snapshot import (
-    ModelFingerprint,
-    Snapshot,
-    _layer_frame,
-    _unshuffle,
-    decode_snapshot,
-    encode_snapshot,
-    write_snapshot,
-)
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.layer_frames import _unshuffle, layer_frame
+from ds4pool.kv.snapshot import Snapshot, decode_snapshot, encode_snapshot, write_snapshot
 
 
 def prompt_bytes(num_tokens: int) -> list[int]:
@@ -120,12 +114,12 @@ def measure(name: str, snap: Snapshot, fp: ModelFingerprint, repeat: int) -> lis
     raw = sum(t.numel() * t.element_size() for t in snap.kv)
     rows, stored, times = [], {}, {}
     for shuffle in (False, True):
-        frames = [_layer_frame(t, shuffle) for t in snap.kv]
+        frames = [layer_frame(t, shuffle) for t in snap.kv]
         data = encode_snapshot(snap, shuffle=shuffle)
 
         def compress(shuffle: bool = shuffle) -> None:
             for t in snap.kv:
-                _layer_frame(t, shuffle)
+                layer_frame(t, shuffle)
 
         def unpack(frames: list[bytes] = frames, shuffle: bool = shuffle) -> None:
             decompress(frames, snap.kv, shuffle)

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from ds4pool.kv.cost import RestorePolicy
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
-from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.kv.store_lease import validate_replica_id
 from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
 from ds4pool.model.device import select_device, select_dtype

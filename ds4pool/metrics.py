@@ -167,7 +167,7 @@ def status_for_http(http_status: int) -> str:
 
 
 def snapshot_error_kind(kind: str) -> str:
-    """The `kind` label for one of the disk tier's error kinds (ds4pool.kv.disk.ERROR_KINDS)."""
+    """The `kind` label for one of the disk tier's error kinds (kv/disk_hooks.py's ERROR_KINDS)."""
     return _SNAPSHOT_KIND_MAP.get(kind, OTHER)
 
 

@@ -347,7 +347,7 @@ def _start_engine(cfg: Any, metrics: Any) -> Any:
     """The engine, or one line for what an operator must fix (a read-only or locked
     --kv-disk-dir, an unwritable cache directory...)."""
     from ds4pool.api.app import build_engine
-    from ds4pool.kv.disk import DirectoryLockedError
+    from ds4pool.kv.disk_files import DirectoryLockedError
 
     try:
         return build_engine(cfg, metrics)

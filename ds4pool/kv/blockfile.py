@@ -1,7 +1,7 @@
 """On-disk format of a shared block file: one full KV block that several sessions' snapshots
 rely on, written once (kv/blockstore.py keeps the directory of them).
 
-Same frozen 24-byte prefix as a snapshot (kv/snapshot.py), its own magic:
+Same frozen 24-byte prefix as a snapshot (kv/framing.py), its own magic:
 
     [0, 24)                 prefix: b"DS4BLK\\0\\0", version 1, reserved, header_len, CRCs
     [24, 24 + H)            header: UTF-8 JSON (key, tenant, position, block size, fingerprint,
@@ -22,24 +22,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ds4pool.kv.snapshot import (
-    COMPRESSION,
+from ds4pool.kv.fingerprint import ModelFingerprint, fingerprint_json, parse_fingerprint
+from ds4pool.kv.framing import (
     PREFIX_SIZE,
-    ModelFingerprint,
     Readable,
     Section,
-    SharedBlock,
     SnapshotError,
     Source,
     Writable,
     as_reader,
-    decode_frame,
-    fingerprint_json,
     get_field,
     is_chain_key,
-    layer_frame,
     pack_prefix,
-    parse_fingerprint,
     parse_section,
     parse_sections,
     read_prefix,
@@ -47,6 +41,8 @@ from ds4pool.kv.snapshot import (
     read_tokens,
     section_of,
 )
+from ds4pool.kv.layer_frames import COMPRESSION, decode_frame, layer_frame
+from ds4pool.kv.snapshot import SharedBlock
 
 BLOCK_MAGIC = b"DS4BLK\x00\x00"
 BLOCK_VERSION = 1

@@ -35,13 +35,9 @@ from typing import BinaryIO
 import torch
 
 from ds4pool.kv.blockfile import decode_block, read_block_header, write_block
-from ds4pool.kv.snapshot import (
-    BlockReader,
-    ModelFingerprint,
-    SharedBlock,
-    SnapshotError,
-    is_chain_key,
-)
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.framing import SnapshotError, is_chain_key
+from ds4pool.kv.snapshot import BlockReader, SharedBlock
 
 log = logging.getLogger(__name__)
 

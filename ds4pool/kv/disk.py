@@ -27,95 +27,52 @@ accepts (their lease names it), `adopt()`s another replica's snapshot on a miss,
 (eviction) only a file it wrote itself: the inode it wrote is remembered, and a file another
 replica has rewritten since is forgotten instead of deleted. Temp files carry the replica id,
 so a start removes only its own leftovers.
+
+DiskTier holds the lock and the hooks; its parts, each with the lock as the tier takes it:
+`disk_files.py` (one file operation each), `disk_index.py` (index, LRU, budget),
+`disk_write.py`, `disk_read.py`, `disk_scan.py` (start-up and adoption), `disk_hooks.py`.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import logging
 import os
-import tempfile
 import threading
-import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
-from ds4pool.kv.blockstore import BLOCK_SUFFIX, BlockFileError, BlockFiles
-from ds4pool.kv.snapshot import (
-    DEFAULT_SHUFFLE,
-    ModelFingerprint,
-    Snapshot,
-    SnapshotError,
-    SnapshotHeader,
-    check_fingerprint,
-    decode_snapshot,
-    read_header,
-    write_snapshot,
+from ds4pool.kv.blockstore import BlockFiles
+from ds4pool.kv.disk_files import (
+    QUARANTINE_DIR,
+    DiskEntry,
+    SessionKey,
+    lock_directory,
+    quarantine_file,
+    read_entry,
+    session_file_name,
 )
+from ds4pool.kv.disk_hooks import DiskHooks
+from ds4pool.kv.disk_index import DiskIndex
+from ds4pool.kv.disk_read import DiskReader
+from ds4pool.kv.disk_scan import index_blocks_of, rebuild_index
+from ds4pool.kv.disk_write import DiskWriter
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.framing import SnapshotError
+from ds4pool.kv.layer_frames import DEFAULT_SHUFFLE
+from ds4pool.kv.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
-
-SessionKey = tuple[str, str]  # (tenant, session_id)
-SNAP_SUFFIX = ".snap"
-TMP_SUFFIX = ".tmp"  # temp files are ".<random>.tmp": never a valid snapshot name
-QUARANTINE_DIR = "quarantine"
-# Every kind on_error() may receive: SnapshotError kinds (the file was quarantined), plus
-# "write" (a write failed, the old snapshot is intact), "too_large" (a snapshot alone exceeds
-# the budget and was dropped), "io" (a read hit an OSError; the file is kept, if it exists).
-ERROR_KINDS = (*SnapshotError.KINDS, "write", "too_large", "io")
-
-
-class DiskWriteError(OSError):
-    """Writing a snapshot failed (ENOSPC, EIO, ...); the previous snapshot of the key is intact."""
-
-
-class SnapshotTooLargeError(ValueError):
-    """One snapshot alone exceeds the disk budget. It was not kept, nor was the key's older one."""
-
-
-class DirectoryLockedError(RuntimeError):
-    """Another DiskTier (in this or another process) already owns the directory."""
-
-
-REPLICAS_DIR = "replicas"  # replicas/<id>.lock: one process per replica id
-
-
-@dataclass(frozen=True)
-class DiskEntry:
-    tenant: str
-    session_id: str
-    path: Path
-    num_bytes: int  # file size
-    num_tokens: int
-    num_kv_tokens: int  # tokens with KV in the file (<= num_tokens)
-    last_used: float  # unix time of the last write() or read()
-    blocks: tuple[str, ...] = ()  # hex keys of the shared block files it relies on
-
-
-def session_file_name(tenant: str, session_id: str) -> str:
-    """sha256 over both parts, each length-prefixed, so ("a","bc") and ("ab","c") differ and no
-    id can inject a path. surrogatepass: any Python str hashes, even a lone surrogate."""
-    h = hashlib.sha256(b"ds4pool-session-v1\x00")
-    for part in (tenant, session_id):
-        data = part.encode("utf-8", "surrogatepass")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest() + SNAP_SUFFIX
 
 
 class DiskTier:
     """The cold tier of the session pool (see the module docstring for the invariants).
     write() runs on the pool's writer thread, read() on its worker thread.
 
-    on_error(kind) is called for every failure (kinds: ERROR_KINDS). on_evict(entry) is called
-    for every snapshot that write() deleted to stay within the budget, after the fact and
-    outside the tier's lock (so it may call back into the pool); not for delete(), quarantine
-    or the evictions done at start-up (entries() never lists those)."""
+    on_error(kind) is called for every failure (kinds: kv/disk_hooks.py's ERROR_KINDS).
+    on_evict(entry) is called for every snapshot that write() deleted to stay within the
+    budget, after the fact and outside the tier's lock (so it may call back into the pool);
+    not for delete(), quarantine or the evictions done at start-up (entries() never lists
+    those)."""
 
     def __init__(
         self,
@@ -136,47 +93,43 @@ class DiskTier:
         self.quarantine_dir = self.directory / QUARANTINE_DIR
         self.fingerprint = fingerprint
         self.shuffle = shuffle
-        self._budget_bytes = budget_bytes
-        self._on_error = on_error
-        self._on_evict = on_evict
-        self._on_io = on_io  # ("read" | "write", bytes) after each successful read/write
+        self._hooks = DiskHooks(on_error, on_evict, on_io)
         self.replica_id = replica_id
         self._owns = owns
-        # shared store only: the inode of each file this replica wrote (see the docstring)
-        self._ours: dict[SessionKey, int] = {}
         self._tmp_prefix = f".{replica_id}." if replica_id else "."
         self._lock = threading.Lock()
-        self._index: OrderedDict[SessionKey, DiskEntry] = OrderedDict()  # LRU first
-        self._used_bytes = 0  # session files; the block files' bytes are self._blocks'
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         # a replica shares block files with the others: it never deletes one (kv/blockstore.py)
         self._blocks = BlockFiles(
             self.directory, fingerprint, shuffle, self._quarantine, shared=bool(replica_id)
         )
-        self._lock_fds = self._lock_directory()
+        self._index = DiskIndex(self._blocks, budget_bytes, replica_id)
+        self._reader = DiskReader(
+            self._lock, self._index, fingerprint, self._hooks, self._quarantine
+        )
+        self._writer = DiskWriter(
+            self._lock, self._index, self.directory, self._tmp_prefix, shuffle, self._hooks
+        )
+        self._lock_fds = lock_directory(self.directory, self.replica_id)
         self._rebuild_index()
 
     # ------------------------------------------------------------------ public API
 
     @property
     def budget_bytes(self) -> int:
-        return self._budget_bytes
+        return self._index.budget_bytes
 
     @property
     def used_bytes(self) -> int:
         """Session files plus every block file once."""
         with self._lock:
-            return self._total_bytes
+            return self._index.total_bytes
 
     @property
     def block_bytes(self) -> int:
         """The shared block files' part of used_bytes."""
         with self._lock:
             return self._blocks.used_bytes
-
-    @property
-    def _total_bytes(self) -> int:  # lock held
-        return self._used_bytes + self._blocks.used_bytes
 
     def has_block(self, key: str) -> bool:
         """True when block file `key` (hex chain key) is indexed: a snapshot listing it in
@@ -191,21 +144,21 @@ class DiskTier:
 
     def contains(self, tenant: str, session_id: str) -> bool:
         with self._lock:
-            return (tenant, session_id) in self._index
+            return (tenant, session_id) in self._index.entries
 
     def keys(self) -> list[SessionKey]:
         """All keys, least recently used first."""
         with self._lock:
-            return list(self._index)
+            return list(self._index.entries)
 
     def entries(self) -> list[DiskEntry]:
         """All entries, least recently used first (what the pool rebuilds its sessions from)."""
         with self._lock:
-            return list(self._index.values())
+            return list(self._index.entries.values())
 
     def info(self, tenant: str, session_id: str) -> DiskEntry | None:
         with self._lock:
-            return self._index.get((tenant, session_id))
+            return self._index.entries.get((tenant, session_id))
 
     def write(self, snapshot: Snapshot) -> int:
         """Persist atomically, then evict LRU snapshots (never this one) down to the budget.
@@ -213,188 +166,27 @@ class DiskTier:
         SnapshotTooLargeError (key now absent), after calling on_error. The KV tensors must
         not change until this returns, and writes of one key must not race each other
         (the pool's single writer thread orders them): the last rename wins."""
-        h = snapshot.header
-        if h.fingerprint != self.fingerprint:
-            raise ValueError(f"snapshot fingerprint {h.fingerprint} is not this tier's")
-        with self._lock:
-            self._blocks.hold(h.shared)  # no eviction may take them until the rename below
-        try:
-            return self._write_held(snapshot)
-        finally:
-            with self._lock:
-                self._blocks.unhold(h.shared)
-                self._blocks.collect(h.shared)
-
-    def _write_held(self, snapshot: Snapshot) -> int:
-        """write(), its shared blocks held: block files first (those not on disk yet), then
-        the session file that lists them, so a crash in between leaves only orphan block
-        files (deleted at the next start), never a session without its blocks."""
-        h = snapshot.header
-        key, path, now = snapshot.key, self.path_for(*snapshot.key), time.time()
-        self._write_blocks(snapshot)
-        tmp, written = self._write_temp(snapshot, now)
-        with self._lock:
-            blocks = [self._blocks.entries.get(k) for k in dict.fromkeys(h.shared)]
-            need = written.file_bytes + sum(b.num_bytes for b in blocks if b is not None)
-        if need > self._budget_bytes:
-            _unlink_quietly(tmp)
-            self.delete(*key)
-            self._report("too_large")
-            raise SnapshotTooLargeError(
-                f"snapshot of {need} bytes (its shared blocks included) exceeds the "
-                f"disk budget of {self._budget_bytes}"
-            )
-        try:
-            with self._lock:
-                if any(k not in self._blocks.entries for k in h.shared):
-                    # a read quarantined one meanwhile: never list a missing block file
-                    raise OSError(errno.EIO, "a shared block file was quarantined")
-                os.replace(tmp, path)  # the only other call here that can raise
-                if self.replica_id:
-                    self._ours[key] = os.stat(path).st_ino
-                self._put(
-                    DiskEntry(
-                        *key,
-                        path,
-                        written.file_bytes,
-                        h.num_tokens,
-                        h.num_kv_tokens,
-                        now,
-                        h.shared,
-                    )
-                )
-                evicted = self._evict_to_budget(keep=key)
-        except OSError as e:
-            _unlink_quietly(tmp)
-            self._report("write")
-            raise DiskWriteError(e.errno, f"renaming snapshot into place: {e}") from e
-        self._fsync_directory()  # makes the rename durable; a crash before it keeps the old file
-        self._call_io("write", written.file_bytes)
-        for entry in evicted:
-            log.info("disk tier: evicted %s (%d bytes, LRU)", entry.path.name, entry.num_bytes)
-            self._call(self._on_evict, entry)
-        return written.file_bytes
-
-    def _write_blocks(self, snapshot: Snapshot) -> None:
-        """Write the snapshot's shared blocks that have no file yet (held by the caller)."""
-        h, wrote = snapshot.header, False
-        for i, k in enumerate(h.shared):
-            with self._lock:
-                if k in self._blocks.entries:
-                    continue
-            try:
-                tmp, num_bytes = self._blocks.write_temp(snapshot.block(i))
-                with self._lock:
-                    self._blocks.install(k, h.tenant, tmp, num_bytes)
-                wrote = True
-            except OSError as e:
-                log.error("disk tier: writing block %s of %s: %s", k, snapshot.key, e)
-                self._report("write")
-                raise DiskWriteError(e.errno or errno.EIO, f"writing a block file: {e}") from e
-        if wrote:
-            self._fsync_directory()  # the block renames are durable before the session's
+        fp = snapshot.header.fingerprint
+        if fp != self.fingerprint:
+            raise ValueError(f"snapshot fingerprint {fp} is not this tier's")
+        return self._writer.write(snapshot, self.path_for(*snapshot.key))
 
     def read(self, tenant: str, session_id: str, *, kv: bool = True) -> Snapshot | None:
         """The validated snapshot (its shared blocks read from their block files), or None if
         absent or invalid (then quarantined, reported). A bad block file is quarantined and
         every session file relying on it is deleted: on_evict is called for those others.
         kv=False: its tokens and text only (decode_snapshot's kv=False: no block file read)."""
-        key = (tenant, session_id)
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                return None
-            try:
-                f = open(entry.path, "rb")  # opened under the lock (vs rename), read outside it
-            except OSError as e:
-                log.error("disk tier: cannot open %s: %s", entry.path.name, e)
-                if isinstance(e, FileNotFoundError):
-                    self._drop(key)
-                f = None
-        if f is None:
-            self._report("io")
-            return None
-        with f:
-            try:
-                snap = decode_snapshot(f, self.fingerprint, self._read_block, kv=kv)
-                if snap.key != key:
-                    raise SnapshotError("format", f"file holds {snap.key}, expected {key}")
-            except BlockFileError as e:
-                self._lost_block(e, key)
-                return None
-            except SnapshotError as e:
-                self._quarantine_if_current(key, os.fstat(f.fileno()), e)
-                self._report(e.kind)
-                return None
-            except OSError as e:
-                log.error("disk tier: reading %s: %s", entry.path.name, e)
-                self._report("io")
-                return None
-        self._touch(key)
-        self._call_io("read", entry.num_bytes)
-        return snap
-
-    def _read_block(self, key: str, tenant: str, position: int, ids: list[int]) -> list[Any]:
-        """decode_snapshot's BlockReader: one shared block, fully verified, or BlockFileError
-        (quarantined now, when its file failed; `quarantined` False when it was gone)."""
-        with self._lock:
-            hit = self._blocks.cached(key, tenant, position, ids)
-            opened = None if hit is not None else self._blocks.open(key)
-        if hit is not None:
-            return hit  # verified when read; _with_blocks copies it, never hands it out
-        if opened is None:
-            raise BlockFileError("format", f"block file {key} is missing", key)
-        entry, f = opened
-        with f:
-            try:
-                if entry.tenant != tenant:
-                    raise SnapshotError("format", f"block {key} belongs to another tenant")
-                kv = self._blocks.decode(f, key, tenant, position, ids)
-            except SnapshotError as e:
-                with self._lock:
-                    done = self._blocks.quarantine_if_current(key, os.fstat(f.fileno()), e)
-                raise BlockFileError(e.kind, str(e), key, quarantined=done) from e
-        with self._lock:
-            self._blocks.remember(key, tenant, position, ids, kv)
-        return kv
-
-    def _lost_block(self, error: BlockFileError, reading: SessionKey) -> None:
-        """Every session file listing a block that failed (or is gone) goes: nothing of it can
-        be loaded. The one being read is reported by read() returning None, the others
-        through on_evict (the pool forgets them; their next request recomputes)."""
-        if error.quarantined:
-            self._report(error.kind)
-        with self._lock:
-            dropped = [e for k, e in list(self._index.items()) if error.key in e.blocks]
-            for e in dropped:
-                self._drop((e.tenant, e.session_id))
-        log.warning(
-            "disk tier: block %s failed (%s): %d session file(s) relying on it deleted",
-            error.key,
-            error,
-            len(dropped),
-        )
-        for e in dropped:
-            if (e.tenant, e.session_id) != reading:
-                self._call(self._on_evict, e)
+        return self._reader.read((tenant, session_id), kv=kv)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the index, the block files' reference counts and the byte
         counts disagree (a block file's count == the indexed session files listing it)."""
         with self._lock:
-            refs: Counter[str] = Counter(k for e in self._index.values() for k in e.blocks)
-            blocks = self._blocks
-            assert +blocks.refs == refs, "block file reference counts are off"
-            for k in refs:
-                assert k in blocks.entries, f"a session file lists block {k}, not indexed"
-            assert self._used_bytes == sum(e.num_bytes for e in self._index.values())
-            assert blocks.used_bytes == sum(e.num_bytes for e in blocks.entries.values())
-            unlisted = [k for k in blocks.entries if not refs[k] and not blocks.pending[k]]
-            assert not unlisted, f"block files no session lists: {unlisted}"
+            self._index.check_integrity()
 
     def delete(self, tenant: str, session_id: str) -> bool:
         with self._lock:
-            return self._drop((tenant, session_id)) is not None
+            return self._index.drop((tenant, session_id)) is not None
 
     def adopt(self, tenant: str, session_id: str) -> DiskEntry | None:
         """Shared store: index the key's snapshot as the store holds it now (written by
@@ -403,56 +195,35 @@ class DiskTier:
         replica's file until we write it: eviction forgets it, never deletes it."""
         key, path = (tenant, session_id), self.path_for(tenant, session_id)
         try:
-            entry = self._index_entry(path)
+            entry = read_entry(path, self.fingerprint)
             if (entry.tenant, entry.session_id) != key:
                 raise SnapshotError("format", f"file holds {entry.tenant, entry.session_id}")
         except FileNotFoundError:
             with self._lock:
-                self._forget(key)
+                self._index.forget(key)
             return None
         except SnapshotError as e:
             with self._lock:
-                self._forget(key)
+                self._index.forget(key)
                 self._quarantine(path, e)
-            self._report(e.kind)
+            self._hooks.error(e.kind)
             return None
         except OSError as e:
             log.error("disk tier: cannot read %s: %s", path.name, e)
-            self._report("io")
+            self._hooks.error("io")
             return None
         with self._lock:
-            self._forget(key)
-            error = self._index_blocks_of(entry)
+            self._index.forget(key)
+            error = index_blocks_of(self._index, entry, self._quarantine)
             if error is None:
-                self._put(entry)
-                evicted = self._evict_to_budget(keep=key)
+                self._index.put(entry)
+                evicted = self._index.evict_to_budget(keep=key)
         if error is not None:
-            self._report(error)
+            self._hooks.error(error)
             return None
         for old in evicted:
-            self._call(self._on_evict, old)
+            self._hooks.evicted(old)
         return entry
-
-    def _index_blocks_of(self, entry: DiskEntry) -> str | None:
-        """Index the block files an adopted snapshot lists that we have not indexed (another
-        replica wrote them; lock held). The error kind when one is missing or invalid."""
-        added = []
-        try:
-            for k in dict.fromkeys(entry.blocks):
-                if k not in self._blocks.entries:
-                    block = self._blocks.index_file(self._blocks.path_for(k))
-                    added.append(k)
-                    if block.tenant != entry.tenant:
-                        raise SnapshotError("format", f"block {k} is another tenant's")
-            return None
-        except SnapshotError as e:
-            self._quarantine(self._blocks.path_for(k), e)
-            return e.kind
-        except OSError as e:
-            log.error("disk tier: block file %s of %s: %s", k, entry.path.name, e)
-            return "io"
-        finally:
-            self._blocks.collect(added)  # those no session of ours lists after all
 
     def close(self) -> None:
         """Release the directory lock. The files stay; a new DiskTier will index them."""
@@ -466,289 +237,21 @@ class DiskTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ writing
-
-    def _write_temp(self, snapshot: Snapshot, now: float) -> tuple[Path, SnapshotHeader]:
-        """Encode into a fsynced temp file in the same directory (so the rename is atomic),
-        its mtime set to `now`: the kernel's own timestamps are too coarse to order writes."""
-        tmp: Path | None = None
-        try:
-            fd, name = tempfile.mkstemp(
-                dir=self.directory, prefix=self._tmp_prefix, suffix=TMP_SUFFIX
-            )
-            tmp = Path(name)
-            with os.fdopen(fd, "wb") as f:
-                written = write_snapshot(f, snapshot, shuffle=self.shuffle)
-                f.flush()
-                os.utime(f.fileno(), (now, now))
-                os.fsync(f.fileno())  # data on disk before the rename makes it visible
-            return tmp, written
-        except OSError as e:
-            _unlink_quietly(tmp)
-            log.error("disk tier: writing %s: %s", snapshot.key, e)
-            self._report("write")
-            raise DiskWriteError(e.errno or errno.EIO, f"writing snapshot: {e}") from e
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-
-    def _fsync_directory(self) -> None:
-        try:
-            fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:  # the file is in place and readable; only durability is at risk
-            log.error("disk tier: fsync of directory %s failed: %s", self.directory, e)
-
-    # ------------------------------------------------------------------ index (lock held)
-
-    def _put(self, entry: DiskEntry) -> None:
-        key = (entry.tenant, entry.session_id)
-        old = self._index.pop(key, None)
-        self._used_bytes += entry.num_bytes - (old.num_bytes if old else 0)
-        self._blocks.ref(entry.blocks)
-        if old is not None:
-            self._blocks.unref(old.blocks)
-            self._blocks.collect(old.blocks)  # those the new snapshot no longer lists
-        self._index[key] = entry  # most recently used: the end
-
-    def _drop(self, key: SessionKey) -> DiskEntry | None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used_bytes -= entry.num_bytes
-            _unlink_quietly(entry.path)
-            self._blocks.unref(entry.blocks)
-            self._blocks.collect(entry.blocks)
-        self._ours.pop(key, None)
-        return entry
-
-    def _forget(self, key: SessionKey) -> DiskEntry | None:
-        """Out of the index, the file left alone (another replica's, or gone)."""
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used_bytes -= entry.num_bytes
-            self._blocks.unref(entry.blocks)
-            self._blocks.collect(entry.blocks)  # shared: out of our index, files kept
-        self._ours.pop(key, None)
-        return entry
-
-    def _evict(self, key: SessionKey) -> DiskEntry | None:
-        """Budget eviction: a private tier deletes; a replica deletes only the file it
-        wrote. Renamed aside first, so that a file another replica renamed into place
-        after our check is put back, never deleted."""
-        if not self.replica_id:
-            return self._drop(key)
-        ino, entry = self._ours.get(key), self._forget(key)
-        if entry is None or ino is None:
-            return entry
-        aside = entry.path.with_name(f".{entry.path.name}.{self.replica_id}.evict")
-        try:
-            os.rename(entry.path, aside)
-        except OSError:
-            return entry  # gone already
-        if os.stat(aside).st_ino != ino:
-            try:
-                os.link(aside, entry.path)  # not ours: put it back
-            except OSError:
-                pass  # a newer one is in place: ours was the stale one
-        _unlink_quietly(aside)
-        return entry
-
-    def _evict_to_budget(self, keep: SessionKey | None) -> list[DiskEntry]:
-        evicted = []
-        victims = (k for k in list(self._index) if k != keep)
-        while self._total_bytes > self._budget_bytes:
-            # `keep` with its blocks alone fits (write() checked); only block files another
-            # write is still filling (held, listed by no session yet) can outlast the
-            # victims, and that write evicts for them when it lands
-            victim = next(victims, None)
-            if victim is None:
-                break
-            entry = self._evict(victim)
-            assert entry is not None
-            evicted.append(entry)
-        return evicted
-
-    def _touch(self, key: SessionKey) -> None:
-        now = time.time()
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                return  # deleted or evicted meanwhile
-            self._index.move_to_end(key)  # its blocks' references stay as they are
-            self._index[key] = replace(entry, last_used=now)
-        try:
-            os.utime(entry.path, (now, now))  # persist the LRU position for the next start
-        except OSError:
-            pass  # only the order after a restart suffers
-
-    def _quarantine_if_current(
-        self, key: SessionKey, opened: os.stat_result, error: SnapshotError
-    ) -> None:
-        with self._lock:
-            entry = self._index.get(key)
-            try:
-                st = os.stat(entry.path) if entry else None
-            except OSError:
-                st = None
-            # A concurrent write() may have replaced the bad file: never quarantine its successor.
-            if entry and st and (st.st_ino, st.st_dev) == (opened.st_ino, opened.st_dev):
-                self._index.pop(key)
-                self._used_bytes -= entry.num_bytes
-                self._blocks.unref(entry.blocks)
-                self._blocks.collect(entry.blocks)
-                self._quarantine(entry.path, error)
+    # ------------------------------------------------------------------ internals
 
     def _quarantine(self, path: Path, error: SnapshotError) -> None:
-        log.warning("disk tier: quarantining %s: %s", path.name, error)
-        dest = self.quarantine_dir / f"{path.name}.{time.time_ns()}"
-        try:
-            self.quarantine_dir.mkdir(mode=0o700, exist_ok=True)
-            os.replace(path, dest)
-            dest.with_name(dest.name + ".reason").write_text(
-                f"kind: {error.kind}\nerror: {error}\nfile: {path.name}\n"
-                f"time: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-            )
-        except OSError as e:  # still never loaded: it is out of the index
-            log.error("disk tier: cannot quarantine %s: %s", path.name, e)
+        quarantine_file(self.quarantine_dir, path, error)
 
     # ------------------------------------------------------------------ start-up
 
-    def _lock_directory(self) -> list[int]:
-        if not self.replica_id:
-            return [_flock(self.directory / ".lock", fcntl.LOCK_EX, "another DiskTier or replica")]
-        shared = _flock(self.directory / ".lock", fcntl.LOCK_SH, "a server without --replica-id")
-        try:
-            (self.directory / REPLICAS_DIR).mkdir(mode=0o700, exist_ok=True)
-            mine = self.directory / REPLICAS_DIR / f"{self.replica_id}.lock"
-            return [shared, _flock(mine, fcntl.LOCK_EX, f"replica {self.replica_id!r}")]
-        except BaseException:
-            os.close(shared)
-            raise
-
     def _rebuild_index(self) -> None:
-        """Index every valid *.snap and *.blk by its header alone; delete temp files left by a
-        crash, session files whose block files are gone or bad, and block files no session
-        file lists (a crash between a block write and its session's rename)."""
-        found: list[DiskEntry] = []
-        errors: list[str] = []
-        for item in os.scandir(self.directory):
-            path = Path(item.path)
-            if not item.is_file(follow_symlinks=False):
-                continue
-            if item.name.endswith(TMP_SUFFIX) and item.name.startswith(self._tmp_prefix):
-                log.info("disk tier: removing leftover temp file %s", item.name)
-                _unlink_quietly(path)
-            elif item.name.endswith((SNAP_SUFFIX, BLOCK_SUFFIX)):
-                try:
-                    if item.name.endswith(SNAP_SUFFIX):
-                        if self._owns is not None and not self._owns_file(path):
-                            continue  # another replica's: adopted on a miss, not indexed
-                        found.append(self._index_entry(path))
-                        if self.replica_id:
-                            self._ours[(found[-1].tenant, found[-1].session_id)] = item.inode()
-                    else:
-                        self._blocks.index_file(path)
-                except SnapshotError as e:
-                    self._quarantine(path, e)
-                    errors.append(e.kind)
-                except OSError as e:
-                    log.error("disk tier: cannot read %s: %s", item.name, e)
-                    errors.append("io")
-        blocks = self._blocks.entries
-        for entry in sorted(found, key=lambda e: (e.last_used, e.path.name)):
-            if all(k in blocks and blocks[k].tenant == entry.tenant for k in entry.blocks):
-                self._put(entry)
-            else:
-                log.warning("disk tier: %s lacks a block file; deleted", entry.path.name)
-                _unlink_quietly(entry.path)
-        orphans = [k for k in blocks if not self._blocks.refs[k]]
-        if orphans:
-            log.info(
-                "disk tier: %s %d block files no session of ours lists",
-                "not indexing (another replica's may)" if self.replica_id else "removing",
-                len(orphans),
-            )
-        self._blocks.collect(orphans)
-        for entry in self._evict_to_budget(keep=None):  # the budget may have shrunk
-            log.info("disk tier: evicted %s at start (over budget)", entry.path.name)
-        log.info(
-            "disk tier: %d snapshots, %d block files, %d bytes in %s",
-            len(self._index),
-            len(self._blocks.entries),
-            self._total_bytes,
+        errors = rebuild_index(
+            self._index,
             self.directory,
+            self.fingerprint,
+            self._tmp_prefix,
+            self._owns,
+            self._quarantine,
         )
         for kind in errors:
-            self._report(kind)
-
-    def _owns_file(self, path: Path) -> bool:
-        assert self._owns is not None
-        try:
-            with open(path, "rb") as f:
-                h = read_header(f)
-        except SnapshotError:
-            return False  # a foreign replica's problem as much as ours: checked on adopt
-        return self._owns((h.tenant, h.session_id))
-
-    def _index_entry(self, path: Path) -> DiskEntry:
-        with open(path, "rb") as f:
-            h = read_header(f)
-            st = os.fstat(f.fileno())
-        check_fingerprint(h, self.fingerprint)
-        if path.name != session_file_name(h.tenant, h.session_id):
-            raise SnapshotError("format", "file name does not match its (tenant, session_id)")
-        if st.st_size != h.file_bytes:
-            kind = "truncated" if st.st_size < h.file_bytes else "format"
-            raise SnapshotError(kind, f"file has {st.st_size} bytes, header says {h.file_bytes}")
-        return DiskEntry(
-            h.tenant,
-            h.session_id,
-            path,
-            st.st_size,
-            h.num_tokens,
-            h.num_kv_tokens,
-            st.st_mtime,
-            h.shared,
-        )
-
-    def _call_io(self, op: str, num_bytes: int) -> None:
-        if self._on_io is not None:
-            try:
-                self._on_io(op, num_bytes)
-            except Exception:
-                log.exception("disk tier: io hook raised")
-
-    def _report(self, kind: str) -> None:
-        assert kind in ERROR_KINDS, kind
-        self._call(self._on_error, kind)
-
-    @staticmethod
-    def _call(hook: Callable[[Any], None] | None, arg: object) -> None:
-        if hook is not None:
-            try:
-                hook(arg)
-            except Exception:  # a caller's hook must never leave the tier half-updated
-                log.exception("disk tier: hook %r(%r) raised", hook, arg)
-
-
-def _flock(path: Path, mode: int, holder: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DirectoryLockedError(f"{path.parent} is in use by {holder}") from None
-    return fd
-
-
-def _unlink_quietly(path: Path | None) -> None:
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.error("disk tier: cannot remove %s: %s", path, e)
+            self._hooks.error(kind)

@@ -19,7 +19,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from ds4pool.kv.disk import DiskTier, DiskWriteError, SnapshotTooLargeError
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_write import DiskWriteError, SnapshotTooLargeError
 from ds4pool.kv.session import SessionKey
 from ds4pool.kv.snapshot import Snapshot
 

@@ -32,6 +32,7 @@ from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.kv.blockstore import index_secret
 from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
 from ds4pool.kv.cost import RestoreCost, RestorePolicy
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.lease import PoolParts, SessionLease, drop_kv
 from ds4pool.kv.prefetch import Prefetcher
@@ -46,7 +47,6 @@ from ds4pool.kv.session import (
     validate_session_id,
 )
 from ds4pool.kv.sharing import PrefixInfo, PrefixSharing
-from ds4pool.kv.snapshot import ModelFingerprint
 from ds4pool.kv.store_lease import ClaimResult
 from ds4pool.kv.tiers import Tiers
 from ds4pool.kv.transfer import DeviceKV

@@ -25,9 +25,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4pool.kv.disk import SNAP_SUFFIX
+from ds4pool.kv.disk_files import SNAP_SUFFIX
+from ds4pool.kv.framing import SnapshotError
 from ds4pool.kv.session import SessionKey
-from ds4pool.kv.snapshot import SnapshotError, read_header
+from ds4pool.kv.snapshot_header import read_header
 from ds4pool.kv.store_lease import Claim, ClaimResult, Lease, LeaseError, LeaseStore
 
 log = logging.getLogger(__name__)

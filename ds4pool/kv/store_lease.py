@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from ds4pool.kv.disk import SNAP_SUFFIX, session_file_name
+from ds4pool.kv.disk_files import SNAP_SUFFIX, session_file_name
 
 log = logging.getLogger(__name__)
 

@@ -46,12 +46,14 @@ import torch
 
 from ds4pool.kv.blocks import BlockTable
 from ds4pool.kv.config import PoolConfig, PoolObserver
-from ds4pool.kv.disk import DiskEntry, DiskTier
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import DiskEntry
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.index import BlockIndex
 from ds4pool.kv.persist import PersistWriter, SnapshotOrder
 from ds4pool.kv.ram import RamTier, host_buffer, nbytes
 from ds4pool.kv.session import Session, SessionKey, Tier
-from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
+from ds4pool.kv.snapshot import Snapshot
 from ds4pool.kv.store import LeaseKeeper, SharedStore
 from ds4pool.kv.transfer import DeviceKV, gather_to_host, scatter_from_host
 

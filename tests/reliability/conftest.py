@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds4pool.engine import fingerprint_for
-from ds4pool.kv.snapshot import ModelFingerprint
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.tokenizer import Tokenizer
 from tests.reliability.helpers import REPORTED, SIZE

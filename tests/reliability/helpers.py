@@ -28,8 +28,10 @@ from typing import Any
 import httpx
 
 from ds4pool.kv.blockstore import directory_reader
-from ds4pool.kv.disk import session_file_name
-from ds4pool.kv.snapshot import ModelFingerprint, SnapshotError, decode_snapshot
+from ds4pool.kv.disk_files import session_file_name
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.framing import SnapshotError
+from ds4pool.kv.snapshot import decode_snapshot
 from ds4pool.model.tokenizer import Tokenizer
 
 FULL = os.environ.get("DS4POOL_RELIABILITY_FULL", "").strip().lower() not in ("", "0", "false")

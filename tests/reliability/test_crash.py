@@ -28,8 +28,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ds4pool.kv.disk import QUARANTINE_DIR, DiskTier, session_file_name
-from ds4pool.kv.snapshot import ModelFingerprint, read_header
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import QUARANTINE_DIR, session_file_name
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.snapshot_header import read_header
 from ds4pool.model.tokenizer import Tokenizer
 from tests.reliability.helpers import (
     Conversation,

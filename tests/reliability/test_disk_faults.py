@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-import ds4pool.kv.disk as disk_mod
+import ds4pool.kv.disk_files as disk_files
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import PoolObserver
-from ds4pool.kv.snapshot import ModelFingerprint, encode_snapshot
+from ds4pool.kv.snapshot import encode_snapshot
 from ds4pool.model.tokenizer import Tokenizer
 from tests.reliability.helpers import (
     Conversation,
@@ -207,7 +208,7 @@ def test_injected_write_faults_in_process(
     lock = threading.Lock()
     faults: Counter[str] = Counter()
     writes: Counter[str] = Counter()
-    real_write, real_replace = disk_mod.write_snapshot, os.replace
+    real_write, real_replace = disk_files.write_snapshot, os.replace
 
     def faulty_write(f, snapshot, *, shuffle=False):  # noqa: ANN001, ANN202
         with lock:
@@ -227,7 +228,7 @@ def test_injected_write_faults_in_process(
         return real_write(f, snapshot, shuffle=shuffle)
 
     def faulty_replace(src, dst, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if str(src).endswith(disk_mod.TMP_SUFFIX) and Path(src).parent == disk.resolve():
+        if str(src).endswith(disk_files.TMP_SUFFIX) and Path(src).parent == disk.resolve():
             with lock:
                 hit = rng.random() < 0.25
                 faults["eio_on_rename"] += hit
@@ -247,8 +248,8 @@ def test_injected_write_faults_in_process(
     convs = conversations("eio-")
     try:
         with monkeypatch.context() as mp:
-            mp.setattr(disk_mod, "write_snapshot", faulty_write)
-            mp.setattr(disk_mod.os, "replace", faulty_replace)
+            mp.setattr(disk_files, "write_snapshot", faulty_write)
+            mp.setattr(disk_files.os, "replace", faulty_replace)
             srv = start_in_process(loaded, engine_kw, observer=observer)
             try:
                 first = drive(srv.url, ref.url, convs, TURNS, tokenizer, clients=4)

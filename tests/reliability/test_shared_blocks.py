@@ -20,9 +20,11 @@ import pytest
 from ds4pool.engine import Engine, EngineConfig
 from ds4pool.kv.blockfile import decode_block, read_block_header
 from ds4pool.kv.blockstore import BLOCK_SUFFIX
-from ds4pool.kv.disk import QUARANTINE_DIR, DiskTier
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import QUARANTINE_DIR
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import PoolObserver
-from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
+from ds4pool.kv.snapshot import Snapshot
 from ds4pool.model.loader import LoadedModel
 from ds4pool.model.sampler import SamplingParams
 from ds4pool.sched.request import Request
@@ -155,7 +157,8 @@ CHILD = """
 import sys, time, torch
 import ds4pool.kv.blockstore as blockstore
 from ds4pool.kv.disk import DiskTier
-from ds4pool.kv.snapshot import ModelFingerprint, Snapshot
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.snapshot import Snapshot
 fp = ModelFingerprint(*{fp!r})
 bs, mode, directory = {bs}, sys.argv[1], sys.argv[2]
 t = DiskTier(directory, 1 << 34, fp)
@@ -234,7 +237,7 @@ def check_dir_after_kill(directory: Path) -> int:
 
 
 def read_tokens_of(path: Path) -> list[int]:
-    from ds4pool.kv.snapshot import read_tokens
+    from ds4pool.kv.framing import read_tokens
 
     with open(path, "rb") as f:
         h = read_block_header(f)

@@ -15,15 +15,11 @@ import torch
 
 from ds4pool.kv.blockfile import decode_block
 from ds4pool.kv.blockstore import BLOCK_SUFFIX, index_secret
-from ds4pool.kv.disk import QUARANTINE_DIR, DiskEntry, DiskTier
-from ds4pool.kv.snapshot import (
-    PREFIX_SIZE,
-    ModelFingerprint,
-    Snapshot,
-    SnapshotError,
-    decode_snapshot,
-    encode_snapshot,
-)
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import QUARANTINE_DIR, DiskEntry
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.framing import PREFIX_SIZE, SnapshotError
+from ds4pool.kv.snapshot import Snapshot, decode_snapshot, encode_snapshot
 
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 8, "bfloat16", "sha256:abc")
 BS = 4

@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import ds4pool.kv.disk as disk
-from ds4pool.kv.disk import (
-    DirectoryLockedError,
-    DiskTier,
-    DiskWriteError,
-    SnapshotTooLargeError,
-)
-from ds4pool.kv.snapshot import ModelFingerprint, Snapshot, encode_snapshot
+import ds4pool.kv.disk_files as disk_files
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import DirectoryLockedError, DiskEntry
+from ds4pool.kv.disk_write import DiskWriteError, SnapshotTooLargeError
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.snapshot import Snapshot, encode_snapshot
+from ds4pool.kv.snapshot_header import read_header
 
 FP = ModelFingerprint("LlamaForCausalLM", 2, 2, 8, "bfloat16", "sha256:abc")
 BIG = 1 << 16  # tokens in the crash tests' snapshots: ~8 MB, so a kill often lands mid-write
@@ -150,7 +149,7 @@ def test_flipped_byte_is_quarantined_on_read(tmp_path: Path, where: str) -> None
         t.write(snap(num_tokens=40))
         path = t.path_for("acme", "agent-1")
         with open(path, "rb") as f:
-            header_bytes = disk.read_header(f).header_bytes
+            header_bytes = read_header(f).header_bytes
         offset = {
             "prefix": 12,
             "header": 40,
@@ -256,7 +255,7 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     size = len(encode_snapshot(snap("s00")))
     budget = 10 * size + size // 2
     model: OrderedDict[str, int] = OrderedDict()  # the documented policy, LRU first
-    evicted: list[disk.DiskEntry] = []
+    evicted: list[DiskEntry] = []
     with DiskTier(tmp_path, budget, FP, on_evict=evicted.append) as t:
         for i in range(60):
             sid = f"s{i:02d}"
@@ -312,7 +311,7 @@ def test_enospc_keeps_the_old_snapshot(
             full()
 
         if fail_in == "write":
-            monkeypatch.setattr(disk, "write_snapshot", half_then_full)
+            monkeypatch.setattr(disk_files, "write_snapshot", half_then_full)
         else:
             monkeypatch.setattr(os, "fsync" if fail_in == "fsync" else "replace", full)
         with pytest.raises(DiskWriteError) as e:
@@ -355,12 +354,14 @@ def test_concurrent_writer_and_reader(tmp_path: Path) -> None:
 
 CHILD = """
 import os, sys, time
-import ds4pool.kv.disk as disk
+import ds4pool.kv.disk_files as disk_files
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.snapshot import encode_snapshot
 sys.path.insert(0, {tests!r})
 from test_disk_tier import BIG, snap
 mode, directory = sys.argv[1], sys.argv[2]
-t = disk.DiskTier(directory, 1 << 30, disk.ModelFingerprint(*{fp!r}))
+t = DiskTier(directory, 1 << 30, ModelFingerprint(*{fp!r}))
 if mode == "loop":
     for v in range(1, 10**6):
         t.write(snap(version=v, num_tokens=BIG))
@@ -373,7 +374,7 @@ def half_then_hang(f, s, **kw):
     f.flush()
     print("MIDWRITE", flush=True)
     time.sleep(60)
-disk.write_snapshot = half_then_hang
+disk_files.write_snapshot = half_then_hang
 t.write(snap(version=2, num_tokens=BIG))
 """
 

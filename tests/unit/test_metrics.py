@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ds4pool.engine import Engine, EngineConfig
 from ds4pool.kv.cost import CostPriors
-from ds4pool.kv.disk import ERROR_KINDS
+from ds4pool.kv.disk_hooks import ERROR_KINDS
 from ds4pool.metrics import (
     CONTENT_TYPE,
     SNAPSHOT_ERROR_KINDS,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds4pool.errors import OutOfBlocksError
-from ds4pool.kv import disk as disk_module
+from ds4pool.kv import disk_files
 from ds4pool.kv.pool import PoolObserver, SessionPool
 from ds4pool.kv.session import InvalidSessionIdError, SessionBusyError
 from ds4pool.kv.transfer import gather_to_host
@@ -352,7 +352,7 @@ def test_disk_full_keeps_serving_and_keeps_the_session_in_ram(
     s = pool.acquire("t", "a")
     turn(pool, runner, s, prompt_ids=ids(45, 1))
     s.release()
-    monkeypatch.setattr(disk_module, "write_snapshot", disk_full)
+    monkeypatch.setattr(disk_files, "write_snapshot", disk_full)
     pool.evict("t", "a", "ram")  # write-behind persistence fails in the writer thread
     pool.writer.drain()  # type: ignore[union-attr]
     monkeypatch.undo()

@@ -12,18 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from ds4pool.kv.snapshot import (
-    FORMAT_VERSION,
-    MAGIC,
-    PREFIX_SIZE,
-    ModelFingerprint,
-    Snapshot,
-    SnapshotError,
-    decode_snapshot,
-    encode_snapshot,
-    read_header,
-    write_snapshot,
-)
+from ds4pool.kv.fingerprint import ModelFingerprint
+from ds4pool.kv.framing import PREFIX_SIZE, SnapshotError
+from ds4pool.kv.snapshot import Snapshot, decode_snapshot, encode_snapshot, write_snapshot
+from ds4pool.kv.snapshot_header import FORMAT_VERSION, MAGIC, read_header
 
 DTYPES = ["float32", "bfloat16", "float16"]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ds4pool.kv.disk import DirectoryLockedError, DiskTier
+from ds4pool.kv.disk import DiskTier
+from ds4pool.kv.disk_files import DirectoryLockedError
 from ds4pool.kv.store import SharedStore, list_store
 from ds4pool.kv.store_lease import Claim, LeaseStore, validate_replica_id
 from tests.unit.test_disk_tier import FP, same, snap
