@@ -18,65 +18,24 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ds4pool.errors import ContextLengthError, Ds4poolError, OutOfBlocksError
 from ds4pool.kv.lease import BlocksNeverFitError
 from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
-from ds4pool.model.runner import ModelRunner, SeqInput, StepOutput
-from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.model.runner import ModelRunner, StepOutput
+from ds4pool.sched.config import SchedulerConfig, SchedulerObserver
 from ds4pool.sched.pretokenize import Pretokenizer, PromptPieces
-from ds4pool.sched.queue import FairQueue, QueueConfig
+from ds4pool.sched.queue import FairQueue
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
+from ds4pool.sched.step import Step
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
 # A request waits for at most this many bring-ups of its session (kv/prefetch.py). One can
 # be undone by RAM pressure before admission, or not fit the RAM tier at all; then the step
 # thread reads the snapshot itself rather than the prefetch thread reading it again.
 MAX_READ_AHEADS = 1
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_tokens: int = 2048
-    # Prompt tokens per step while some sequence decodes (a lone prompt uses the full
-    # max_batch_tokens): bounds how long a prefill chunk stalls the decoders.
-    max_prefill_tokens: int = 2048
-    # ... and at most this much prompt work (tokens weighted by their context); None: off
-    prefill_cost: PrefillCost | None = None
-    max_batch_size: int = 64
-    serialized: bool = False  # --no-batching: one request at a time, one live session
-    session_wait_s: float = 120.0  # how long a request may wait for its busy session
-    queue: QueueConfig = field(default_factory=QueueConfig)
-
-
-class SchedulerObserver:
-    """Hooks for metrics; the default does nothing."""
-
-    def step(
-        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
-    ) -> None: ...
-
-    def admitted(self, queue_wait_s: float) -> None: ...
-
-    def token(self, seq: Seq, first: bool, seconds: float) -> None: ...
-
-    def finished(self, seq: Seq, reason: str) -> None: ...
-
-    def preempted(self) -> None: ...
-
-    def rejected(self, reason: str) -> None: ...
-
-
-@dataclass
-class Step:
-    seqs: list[Seq]
-    inputs: list[SeqInput]
-    counts: list[int]  # tokens computed per seq
-    # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
-    work_left: float | None = None
 
 
 class _Room:
@@ -192,23 +151,11 @@ class Scheduler:
                 break
             if seq.state is not State.RUNNING:  # preempted by an earlier _reserve
                 continue
-            n = self._chunk_len(step, seq, budget)
+            n = step.chunk_len(seq, budget, self.cfg.prefill_cost)
             if n and self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
         return budget
-
-    def _chunk_len(self, step: Step, seq: Seq, budget: int) -> int:
-        """Tokens of seq for this step: within the token budget and, for a prompt chunk next
-        to decoders, the work budget (charged here, even if its blocks then do not fit)."""
-        n = min(seq.num_pending, budget)
-        cost = self.cfg.prefill_cost
-        if step.work_left is None or cost is None or n <= 1:
-            return n
-        first = step.work_left >= cost.budget
-        n = cost.chunk(seq.num_computed, n, step.work_left, first)
-        step.work_left -= cost.cost(seq.num_computed, n)
-        return n
 
     def _reserve(self, seq: Seq, n: int, step: Step) -> bool:
         """Blocks for n more tokens of seq; preempts lower-priority running requests
@@ -282,7 +229,7 @@ class Scheduler:
             self._dequeue(seq)
             seq.state = State.RUNNING
             self.running.append(seq)
-            n = self._chunk_len(step, seq, budget)
+            n = step.chunk_len(seq, budget, self.cfg.prefill_cost)
             if n and self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
@@ -365,9 +312,7 @@ class Scheduler:
             self.queue.remove(seq)
 
     def _add(self, step: Step, seq: Seq, n: int) -> None:
-        assert seq.lease is not None
-        start = seq.num_computed
-        sample = start + n == seq.num_tokens
+        sample = seq.num_computed + n == seq.num_tokens
         bitmask = seq.grammar.fill() if sample and seq.grammar else None
         if seq.grammar is not None and seq.grammar.dead_end:
             error = (
@@ -375,23 +320,7 @@ class Scheduler:
             )
             self._finish(seq, "error", error=error, error_type="invalid_request")
             return
-        table = seq.lease.table()
-        step.seqs.append(seq)
-        step.counts.append(n)
-        step.inputs.append(
-            SeqInput(
-                token_ids=seq.all_ids[start : start + n],
-                num_computed=start,
-                block_table=table.block_ids,
-                seq_id=seq.seq_id,
-                table_epoch=table.epoch,
-                sample=sample,
-                sampling=seq.req.sampling,
-                seed=seq.seed,
-                output_token_ids=list(seq.output_ids),
-                token_bitmask=bitmask,
-            )
-        )
+        step.add(seq, n, bitmask)
         with self.lock:
             self.queue.charge(seq.tenant, n)
 
