@@ -7,7 +7,9 @@ running and newly admitted requests, under `max_batch_tokens` and `max_batch_siz
 While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
 `prefill_cost`, a budget of work that counts their attention over the context
 (sched/prefill_cost.py): a step's length is set by its prefill work, and every decoder waits
-for the whole step.
+for the whole step. This module decides who runs, reserves blocks, preempts and writes back;
+a waiting request is made ready by sched/admission.py, a step's rows are sized and assembled
+by sched/step.py.
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
