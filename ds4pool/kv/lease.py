@@ -26,20 +26,15 @@ outside it (a long prompt's text must not hold up the prefetch thread and the ad
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.blocks import BlockTable
-from ds4pool.kv.config import PoolConfig
-from ds4pool.kv.index import BlockIndex
+from ds4pool.kv.lease_parts import PoolParts, drop_kv, truncate_kv
 from ds4pool.kv.prefix import TextPlan, plan_text, valid_marks
-from ds4pool.kv.restore_plan import RestorePlanner
 from ds4pool.kv.session import Session, SessionKey, Tier
-from ds4pool.kv.sharing import PrefixSharing
-from ds4pool.kv.tiers import Tiers
 
 
 class BlocksNeverFitError(OutOfBlocksError):
@@ -62,22 +57,6 @@ class TableView:
 
     block_ids: list[int]
     epoch: int  # changes on any change but an append (the runner uploads diffs)
-
-
-@dataclass(frozen=True)
-class PoolParts:
-    """What a lease uses of its pool (built by SessionPool: this module imports nothing of
-    pool.py)."""
-
-    cfg: PoolConfig
-    cond: threading.Condition  # the pool lock
-    blocks: BlockIndex
-    sharing: PrefixSharing
-    tiers: Tiers
-    planner: RestorePlanner  # read a returning session's KV back, or recompute it
-    next_version: Callable[[], int]
-    make_room: Callable[[int, Session], None]  # demote idle sessions until n blocks are free
-    discard: Callable[[Session], None]
 
 
 class SessionLease:
@@ -323,29 +302,3 @@ class SessionLease:
             elif writer and 0 < p.cfg.persist_every_tokens <= s.dirty_tokens:
                 writer.enqueue(s.key)
             p.cond.notify_all()
-
-
-def truncate_kv(p: PoolParts, s: Session, n: int) -> int:
-    """Keep KV for s's first n tokens; returns how many are kept (see sharing.truncate)."""
-    if n >= s.num_computed:
-        return n
-    if s.tier is Tier.DEVICE:
-        n = p.sharing.truncate(s, n)
-    elif s.tier is Tier.RAM:
-        p.tiers.truncate_host(s, n)
-    # DISK: the snapshot keeps more tokens than needed; restore copies only n.
-    s.num_computed = n
-    s.num_persisted = min(s.num_persisted, n)
-    del s.block_keys[n // p.cfg.block_size :]
-    s.version = p.next_version()
-    return n
-
-
-def drop_kv(p: PoolParts, s: Session) -> None:
-    """Let go of s's device blocks and host copy (its tokens and snapshot stay)."""
-    if s.block_table is not None:
-        s.block_table.release(p.blocks)
-        s.block_table = None
-    p.tiers.ram.pop(s.key)
-    s.host_kv, s.tier, s.disk_read_s = None, Tier.NONE, None
-    s.num_computed, s.block_keys = 0, []
