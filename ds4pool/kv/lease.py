@@ -26,34 +26,20 @@ outside it (a long prompt's text must not hold up the prefetch thread and the ad
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds4pool.errors import OutOfBlocksError
 from ds4pool.kv.blocks import BlockTable
-from ds4pool.kv.config import PoolConfig
-from ds4pool.kv.index import BlockIndex
+from ds4pool.kv.lease_parts import PoolParts, truncate_kv
+from ds4pool.kv.match import Prepared, match_prompt
 from ds4pool.kv.prefix import TextPlan, plan_text, valid_marks
-from ds4pool.kv.restore_plan import RestorePlanner
 from ds4pool.kv.session import Session, SessionKey, Tier
-from ds4pool.kv.sharing import PrefixSharing
-from ds4pool.kv.tiers import Tiers
 
 
 class BlocksNeverFitError(OutOfBlocksError):
     """More KV blocks than the whole device pool holds: waiting or preempting cannot help."""
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A new prompt matched against the session's cache (and the block index)."""
-
-    token_ids: list[int]  # the full prompt, cached part first
-    num_cached: int  # leading tokens whose KV is reused (prefix hit)
-    num_shared: int  # of num_cached, tokens beyond the session's own KV (block index)
-    via_text: bool  # the text extended the session's: its tokens were kept as they are
 
 
 @dataclass(frozen=True)
@@ -62,22 +48,6 @@ class TableView:
 
     block_ids: list[int]
     epoch: int  # changes on any change but an append (the runner uploads diffs)
-
-
-@dataclass(frozen=True)
-class PoolParts:
-    """What a lease uses of its pool (built by SessionPool: this module imports nothing of
-    pool.py)."""
-
-    cfg: PoolConfig
-    cond: threading.Condition  # the pool lock
-    blocks: BlockIndex
-    sharing: PrefixSharing
-    tiers: Tiers
-    planner: RestorePlanner  # read a returning session's KV back, or recompute it
-    next_version: Callable[[], int]
-    make_room: Callable[[int, Session], None]  # demote idle sessions until n blocks are free
-    discard: Callable[[Session], None]
 
 
 class SessionLease:
@@ -151,7 +121,7 @@ class SessionLease:
                 # tokens included (tiers.py): then read it back and plan again
                 if (s.token_ids, s.text, s.text_marks) == seen and s.loaded:
                     text_only = prompt_text if prompt_ids is None else None
-                    m = self._match(ids, plan, text_only, priority)
+                    m = match_prompt(self._p, s, ids, plan, text_only, priority)
                     break
         num_old, old_text = len(seen[0]), seen[1]
         # the session as matching left it; its old text still stands for the reused tokens
@@ -160,38 +130,6 @@ class SessionLease:
         self._rollback = (m.token_ids[: m.num_cached], old_text if keeps_text else "")
         self._prepared, self._prompt_text = m, prompt_text
         return m
-
-    def _match(
-        self, ids: list[int], plan: TextPlan | None, text_only: str | None, priority: int
-    ) -> Prepared:
-        s, p = self._s, self._p
-        marks = list(plan.marks) if plan is not None else []
-        if text_only is not None:
-            marks.append((len(ids), len(text_only)))  # the prompt's end
-        s.text_marks = list(dict.fromkeys(marks))  # a request matched again repeats some
-        common = 0
-        for a, b in zip(ids, s.token_ids):
-            if a != b:
-                break
-            common += 1
-        # at least one token must be computed to produce the next token's logits
-        reuse = max(0, min(common, s.num_computed, len(ids) - 1))
-        if reuse < len(s.token_ids):
-            s.text = ""  # the text stood for tokens we no longer keep
-        s.priority = priority
-        reuse = truncate_kv(p, s, reuse)  # less when a shared half block cannot be copied
-        s.token_ids = ids[:reuse]
-        own = reuse
-        chain = p.sharing.chain_for(s, ids, reuse)
-        if chain:
-            persisted = min(s.num_persisted, reuse)
-            drop_kv(p, s)
-            reuse = p.sharing.adopt(s, ids, chain)
-            s.num_persisted, s.version = persisted, p.next_version()
-        if reuse:
-            s.hits += 1
-        via_text = plan is not None and plan.via_text
-        return Prepared(token_ids=ids, num_cached=reuse, num_shared=reuse - own, via_text=via_text)
 
     def keep_prepared(self) -> None:
         """The prepared request waits for blocks and lets go of the session meanwhile: leave
@@ -323,29 +261,3 @@ class SessionLease:
             elif writer and 0 < p.cfg.persist_every_tokens <= s.dirty_tokens:
                 writer.enqueue(s.key)
             p.cond.notify_all()
-
-
-def truncate_kv(p: PoolParts, s: Session, n: int) -> int:
-    """Keep KV for s's first n tokens; returns how many are kept (see sharing.truncate)."""
-    if n >= s.num_computed:
-        return n
-    if s.tier is Tier.DEVICE:
-        n = p.sharing.truncate(s, n)
-    elif s.tier is Tier.RAM:
-        p.tiers.truncate_host(s, n)
-    # DISK: the snapshot keeps more tokens than needed; restore copies only n.
-    s.num_computed = n
-    s.num_persisted = min(s.num_persisted, n)
-    del s.block_keys[n // p.cfg.block_size :]
-    s.version = p.next_version()
-    return n
-
-
-def drop_kv(p: PoolParts, s: Session) -> None:
-    """Let go of s's device blocks and host copy (its tokens and snapshot stay)."""
-    if s.block_table is not None:
-        s.block_table.release(p.blocks)
-        s.block_table = None
-    p.tiers.ram.pop(s.key)
-    s.host_kv, s.tier, s.disk_read_s = None, Tier.NONE, None
-    s.num_computed, s.block_keys = 0, []

@@ -34,7 +34,8 @@ from ds4pool.kv.config import PoolConfig, PoolObserver, PoolUsage
 from ds4pool.kv.cost import RestoreCost, RestorePolicy
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.index import BlockIndex
-from ds4pool.kv.lease import PoolParts, SessionLease, drop_kv
+from ds4pool.kv.lease import SessionLease
+from ds4pool.kv.lease_parts import PoolParts, drop_kv
 from ds4pool.kv.prefetch import Prefetcher
 from ds4pool.kv.prefix import plan_text
 from ds4pool.kv.restore_plan import RestorePlanner

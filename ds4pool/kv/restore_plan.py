@@ -23,7 +23,8 @@ from ds4pool.kv.blocks import BlockTable
 from ds4pool.kv.config import PoolObserver
 from ds4pool.kv.cost import Choice, RestoreCost
 from ds4pool.kv.session import Session, Tier
-from ds4pool.kv.tiers import RestoreMove, Tiers
+from ds4pool.kv.tier_restore import RestoreMove
+from ds4pool.kv.tiers import Tiers
 from ds4pool.kv.transfer import DeviceKV, synchronize
 
 

@@ -7,7 +7,9 @@ running and newly admitted requests, under `max_batch_tokens` and `max_batch_siz
 While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
 `prefill_cost`, a budget of work that counts their attention over the context
 (sched/prefill_cost.py): a step's length is set by its prefill work, and every decoder waits
-for the whole step.
+for the whole step. This module decides who runs, reserves blocks, preempts and writes back;
+a waiting request is made ready by sched/admission.py, a step's rows are sized and assembled
+by sched/step.py.
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
@@ -18,88 +20,21 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 
-from ds4pool.errors import ContextLengthError, Ds4poolError, OutOfBlocksError
+from ds4pool.errors import Ds4poolError, OutOfBlocksError
 from ds4pool.kv.lease import BlocksNeverFitError
 from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
-from ds4pool.model.runner import ModelRunner, SeqInput, StepOutput
-from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.model.runner import ModelRunner, StepOutput
+from ds4pool.sched.admission import Admission
+from ds4pool.sched.config import SchedulerConfig, SchedulerObserver
 from ds4pool.sched.pretokenize import Pretokenizer, PromptPieces
-from ds4pool.sched.queue import FairQueue, QueueConfig
+from ds4pool.sched.queue import FairQueue
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
+from ds4pool.sched.step import Step
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
-# A request waits for at most this many bring-ups of its session (kv/prefetch.py). One can
-# be undone by RAM pressure before admission, or not fit the RAM tier at all; then the step
-# thread reads the snapshot itself rather than the prefetch thread reading it again.
-MAX_READ_AHEADS = 1
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_tokens: int = 2048
-    # Prompt tokens per step while some sequence decodes (a lone prompt uses the full
-    # max_batch_tokens): bounds how long a prefill chunk stalls the decoders.
-    max_prefill_tokens: int = 2048
-    # ... and at most this much prompt work (tokens weighted by their context); None: off
-    prefill_cost: PrefillCost | None = None
-    max_batch_size: int = 64
-    serialized: bool = False  # --no-batching: one request at a time, one live session
-    session_wait_s: float = 120.0  # how long a request may wait for its busy session
-    queue: QueueConfig = field(default_factory=QueueConfig)
-
-
-class SchedulerObserver:
-    """Hooks for metrics; the default does nothing."""
-
-    def step(
-        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
-    ) -> None: ...
-
-    def admitted(self, queue_wait_s: float) -> None: ...
-
-    def token(self, seq: Seq, first: bool, seconds: float) -> None: ...
-
-    def finished(self, seq: Seq, reason: str) -> None: ...
-
-    def preempted(self) -> None: ...
-
-    def rejected(self, reason: str) -> None: ...
-
-
-@dataclass
-class Step:
-    seqs: list[Seq]
-    inputs: list[SeqInput]
-    counts: list[int]  # tokens computed per seq
-    # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
-    work_left: float | None = None
-
-
-class _Room:
-    """Admission's view of the device blocks in one build: a request is admitted only
-    when its blocks fit beside what the running requests still need (blocks they share are
-    theirs already, so they count once), unless it outranks a running request (which it
-    may then preempt)."""
-
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
-        self.left: int | None = None  # computed on first use: most builds admit nobody
-
-    def take(self, seq: Seq) -> None:
-        running = [r for r in self.sched.running if r.lease is not None]
-        if not running or any(r.priority > seq.priority for r in running):
-            return
-        if self.left is None:
-            reserved = sum(self.sched._need(r) for r in running)
-            self.left = self.sched.pool.num_available_blocks() - reserved
-        need = self.sched._need(seq)
-        if need > self.left:
-            raise OutOfBlocksError(f"waits for {need} KV blocks, {self.left} left")
-        self.left -= need
 
 
 class Scheduler:
@@ -124,6 +59,7 @@ class Scheduler:
         self._max_running = 1 if cfg.serialized else cfg.max_batch_size
         self._seq_ids = itertools.count(1)  # identities for the runner's input batch
         self.pretokenizer = Pretokenizer(pool.text_resume, pool.prefetching)
+        self.admission = Admission(cfg, pool, runner, self.observer, self._encode)
 
     def close(self) -> None:
         """Stop the helper threads of stage 1 (after the worker has stopped)."""
@@ -192,23 +128,11 @@ class Scheduler:
                 break
             if seq.state is not State.RUNNING:  # preempted by an earlier _reserve
                 continue
-            n = self._chunk_len(step, seq, budget)
+            n = step.chunk_len(seq, budget, self.cfg.prefill_cost)
             if n and self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
         return budget
-
-    def _chunk_len(self, step: Step, seq: Seq, budget: int) -> int:
-        """Tokens of seq for this step: within the token budget and, for a prompt chunk next
-        to decoders, the work budget (charged here, even if its blocks then do not fit)."""
-        n = min(seq.num_pending, budget)
-        cost = self.cfg.prefill_cost
-        if step.work_left is None or cost is None or n <= 1:
-            return n
-        first = step.work_left >= cost.budget
-        n = cost.chunk(seq.num_computed, n, step.work_left, first)
-        step.work_left -= cost.cost(seq.num_computed, n)
-        return n
 
     def _reserve(self, seq: Seq, n: int, step: Step) -> bool:
         """Blocks for n more tokens of seq; preempts lower-priority running requests
@@ -255,7 +179,7 @@ class Scheduler:
         with self.lock:
             candidates = list(self.queue.ordered())
         now = time.monotonic()
-        room = _Room(self)
+        room = self.admission.room(self.running)
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self._max_running:
                 return
@@ -264,7 +188,7 @@ class Scheduler:
                 self._finish(seq, "cancelled")
                 continue
             try:
-                if not self._activate(seq, now, room):
+                if not self.admission.activate(seq, now, room):
                     continue
             except OutOfBlocksError:
                 if seq.lease is not None and seq.admitted_at is None:
@@ -282,92 +206,17 @@ class Scheduler:
             self._dequeue(seq)
             seq.state = State.RUNNING
             self.running.append(seq)
-            n = self._chunk_len(step, seq, budget)
+            n = step.chunk_len(seq, budget, self.cfg.prefill_cost)
             if n and self._reserve(seq, n, step):
                 self._add(step, seq, n)
                 budget -= n
-
-    def _activate(self, seq: Seq, now: float, room: _Room) -> bool:
-        """Acquire, match and restore the session of a waiting request. False if its
-        session is busy with another request (it stays queued, bounded in time);
-        OutOfBlocksError when its blocks do not fit beside the running requests'."""
-        if seq.lease is None:
-            # a disk session's snapshot is read on the prefetch thread, not on this one
-            if self.pool.prefetching(seq.tenant, seq.req.session_id):
-                return False
-            # and a text prompt is tokenized on the pretokenize thread (sched/pretokenize.py)
-            if seq.pieces is not None and not seq.pieces.done.is_set():
-                return False
-            if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
-                seq.reads += 1
-                return False
-            try:
-                seq.lease = self.pool.acquire(seq.req.tenant, seq.req.session_id, timeout=0)
-            except SessionBusyError:
-                seq.blocked_since = seq.blocked_since or now
-                if now - seq.blocked_since > self.cfg.session_wait_s:
-                    raise
-                return False
-        lease = seq.lease
-        assert lease is not None
-        if self.cfg.serialized:
-            self.pool.demote_all_but(lease, "serialized")
-        matched = seq.admitted_at is None
-        if matched:
-            self._prepare(seq)
-        try:
-            room.take(seq)  # raises OutOfBlocksError: the request waits, nobody is preempted
-        except OutOfBlocksError:
-            if matched:
-                lease.keep_prepared()  # its next prepare gives exactly these tokens again
-            raise
-        if seq.admitted_at is None:
-            self.observer.admitted(now - seq.arrival)
-            seq.admitted_at = now
-        lease.restore()
-        # A preempted request's KV can be lost while it waits (it did not fit in RAM and the
-        # disk write failed, or there is no disk tier), and a restore may choose to recompute
-        # it (kv/cost.py): recompute what the session lacks, and report it as computed.
-        seq.num_computed = min(seq.num_computed, lease.num_computed)
-        seq.num_reused = min(seq.num_reused, seq.num_computed)
-        return True
-
-    def _prepare(self, seq: Seq) -> None:
-        assert seq.lease is not None
-        req = seq.req
-        m = seq.lease.prepare(
-            prompt_ids=req.prompt_ids,
-            prompt_text=req.prompt_text,
-            tokenize=seq.pieces.tokenize if seq.pieces is not None else self._encode,
-            priority=req.priority,
-        )
-        limit = self.runner.max_model_len
-        if len(m.token_ids) >= limit:
-            raise ContextLengthError(
-                f"prompt has {len(m.token_ids)} tokens; the model's context is {limit}"
-            )
-        if not m.token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.runner.loaded.config.vocab_size
-        if min(m.token_ids) < 0 or max(m.token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq.prompt_ids, seq.num_reused, seq.num_computed = m.token_ids, m.num_cached, m.num_cached
-        seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
-        seq.start_decoding(self.tokenizer, vocab)
-
-    def _need(self, seq: Seq) -> int:
-        """Device blocks seq still needs for its prompt and one block of output."""
-        assert seq.lease is not None
-        return seq.lease.blocks_to_hold(seq.num_tokens + self.pool.cfg.block_size)
 
     def _dequeue(self, seq: Seq) -> None:
         with self.lock:
             self.queue.remove(seq)
 
     def _add(self, step: Step, seq: Seq, n: int) -> None:
-        assert seq.lease is not None
-        start = seq.num_computed
-        sample = start + n == seq.num_tokens
+        sample = seq.num_computed + n == seq.num_tokens
         bitmask = seq.grammar.fill() if sample and seq.grammar else None
         if seq.grammar is not None and seq.grammar.dead_end:
             error = (
@@ -375,23 +224,7 @@ class Scheduler:
             )
             self._finish(seq, "error", error=error, error_type="invalid_request")
             return
-        table = seq.lease.table()
-        step.seqs.append(seq)
-        step.counts.append(n)
-        step.inputs.append(
-            SeqInput(
-                token_ids=seq.all_ids[start : start + n],
-                num_computed=start,
-                block_table=table.block_ids,
-                seq_id=seq.seq_id,
-                table_epoch=table.epoch,
-                sample=sample,
-                sampling=seq.req.sampling,
-                seed=seq.seed,
-                output_token_ids=list(seq.output_ids),
-                token_bitmask=bitmask,
-            )
-        )
+        step.add(seq, n, bitmask)
         with self.lock:
             self.queue.charge(seq.tenant, n)
 

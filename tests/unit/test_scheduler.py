@@ -360,7 +360,7 @@ def test_a_request_that_waits_for_admission_computes_the_same_tokens(
     it waits) must run on exactly the tokens it would have run on without waiting: the
     session's reply tokens as sampled plus the new text, not a re-tokenization."""
     from ds4pool.kv.blocks import OutOfBlocksError
-    from ds4pool.sched import scheduler as sched_mod
+    from ds4pool.sched import admission as admission_mod
 
     tok = loaded.tokenizer
     greedy = SamplingParams(temperature=0.0)
@@ -385,7 +385,7 @@ def test_a_request_that_waits_for_admission_computes_the_same_tokens(
         )
         req = Request(session_id=sid, prompt_text=second, max_tokens=8, sampling=greedy)
         refused: list[int] = []
-        take = sched_mod._Room.take
+        take = admission_mod.Room.take
 
         def take_once(room, seq):  # type: ignore[no-untyped-def]
             if wait and seq.req is req and not refused:
@@ -393,7 +393,7 @@ def test_a_request_that_waits_for_admission_computes_the_same_tokens(
                 raise OutOfBlocksError("waits (test)")
             take(room, seq)
 
-        monkeypatch.setattr(sched_mod._Room, "take", take_once)
+        monkeypatch.setattr(admission_mod.Room, "take", take_once)
         run_all(e, [req])
         assert refused == ([1] if wait else [])
         return computed

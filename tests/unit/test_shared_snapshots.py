@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ds4pool.kv.tiers as tiers_mod
+import ds4pool.kv.tier_restore as tiers_mod
 from ds4pool.engine import Engine, EngineConfig
 from ds4pool.kv.blockstore import BLOCK_SUFFIX
 from ds4pool.model.loader import LoadedModel, load_model
@@ -85,7 +85,7 @@ def test_a_shared_system_prompt_is_written_once_and_resumes_exactly(
 
 
 class CountingScatter:
-    """Wraps transfer.scatter_from_host as tiers.py calls it: counts the bytes copied."""
+    """Wraps transfer.scatter_from_host as tier_restore.py calls it: counts the bytes copied."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = 0

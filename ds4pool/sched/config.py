@@ -1,0 +1,41 @@
+"""The scheduler's settings and its metrics hooks: what engine, metrics and benches name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.sched.queue import QueueConfig
+from ds4pool.sched.seq import Seq
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 2048
+    # Prompt tokens per step while some sequence decodes (a lone prompt uses the full
+    # max_batch_tokens): bounds how long a prefill chunk stalls the decoders.
+    max_prefill_tokens: int = 2048
+    # ... and at most this much prompt work (tokens weighted by their context); None: off
+    prefill_cost: PrefillCost | None = None
+    max_batch_size: int = 64
+    serialized: bool = False  # --no-batching: one request at a time, one live session
+    session_wait_s: float = 120.0  # how long a request may wait for its busy session
+    queue: QueueConfig = field(default_factory=QueueConfig)
+
+
+class SchedulerObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def step(
+        self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
+    ) -> None: ...
+
+    def admitted(self, queue_wait_s: float) -> None: ...
+
+    def token(self, seq: Seq, first: bool, seconds: float) -> None: ...
+
+    def finished(self, seq: Seq, reason: str) -> None: ...
+
+    def preempted(self) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...

@@ -1,0 +1,62 @@
+"""The step under construction: which sequences run, how many tokens each, and their rows.
+
+The scheduler (sched/scheduler.py) decides who runs and reserves blocks; this module only
+sizes a sequence's chunk under the step's budgets and turns (seq, n) into the runner's
+`SeqInput`. Nothing here touches the queue, the pool or a session beyond reading the lease's
+block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ds4pool.model.runner import SeqInput
+from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.sched.seq import Seq
+
+if TYPE_CHECKING:  # the scheduler itself never touches tensors: a bitmask passes through
+    import torch
+
+
+@dataclass
+class Step:
+    seqs: list[Seq]
+    inputs: list[SeqInput]
+    counts: list[int]  # tokens computed per seq
+    # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
+    work_left: float | None = None
+
+    def chunk_len(self, seq: Seq, budget: int, cost: PrefillCost | None) -> int:
+        """Tokens of seq for this step: within the token budget and, for a prompt chunk next
+        to decoders, the work budget (charged here, even if its blocks then do not fit)."""
+        n = min(seq.num_pending, budget)
+        if self.work_left is None or cost is None or n <= 1:
+            return n
+        first = self.work_left >= cost.budget
+        n = cost.chunk(seq.num_computed, n, self.work_left, first)
+        self.work_left -= cost.cost(seq.num_computed, n)
+        return n
+
+    def add(self, seq: Seq, n: int, bitmask: torch.Tensor | None) -> None:
+        """Appends seq's next n tokens as one row of the batch (it samples when they end its
+        pending tokens)."""
+        assert seq.lease is not None
+        start = seq.num_computed
+        table = seq.lease.table()
+        self.seqs.append(seq)
+        self.counts.append(n)
+        self.inputs.append(
+            SeqInput(
+                token_ids=seq.all_ids[start : start + n],
+                num_computed=start,
+                block_table=table.block_ids,
+                seq_id=seq.seq_id,
+                table_epoch=table.epoch,
+                sample=start + n == seq.num_tokens,
+                sampling=seq.req.sampling,
+                seed=seq.seed,
+                output_token_ids=list(seq.output_ids),
+                token_bitmask=bitmask,
+            )
+        )
