@@ -116,7 +116,15 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.starts += 1
-        env = dict(os.environ, DS4POOL_CACHE=str(self.demo_dir.parent), **self.env)
+        # restore policy "always": these tests count what a restore brings back; whether the
+        # cost model would rather recompute depends on the machine's load (kv/cost.py, tested
+        # in tests/unit/test_restore_cost.py)
+        env = {
+            **os.environ,
+            "DS4POOL_CACHE": str(self.demo_dir.parent),
+            "DS4POOL_RESTORE_POLICY": "always",
+            **self.env,
+        }
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== test harness: start #{self.starts} ===\n".encode())
             log.flush()
@@ -383,7 +391,9 @@ def start_in_process(
     from ds4pool.api.config import ServerConfig
     from ds4pool.engine import Engine, EngineConfig
 
-    engine_cfg = EngineConfig(**{"kv_device_gb": 0.05, **(engine_kw or {})})
+    engine_cfg = EngineConfig(
+        **{"kv_device_gb": 0.05, "restore_policy": "always", **(engine_kw or {})}
+    )
     engine = Engine(engine_cfg, loaded=loaded, pool_observer=server_kw.pop("observer", None))
     cfg = ServerConfig(engine=engine_cfg, port=free_port(), **server_kw)
     statuses = StatusCounter(create_app(cfg, engine, own_engine=False))
