@@ -35,6 +35,7 @@ from typing import BinaryIO
 import torch
 
 from ds4pool.kv.blockfile import decode_block, read_block_header, write_block
+from ds4pool.kv.disk_files import unlink_quietly
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.framing import SnapshotError, is_chain_key
 from ds4pool.kv.snapshot import BlockReader, SharedBlock
@@ -136,7 +137,7 @@ class BlockFiles:
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
-            _unlink(tmp)
+            unlink_quietly(tmp)
             raise
         return tmp, written.file_bytes
 
@@ -144,7 +145,7 @@ class BlockFiles:
         """Rename a written temp file into place (lock held); a key that appeared meanwhile
         keeps its file (same content) and the temp one goes."""
         if key in self.entries:
-            _unlink(tmp)
+            unlink_quietly(tmp)
             return
         path = self.path_for(key)
         os.replace(tmp, path)
@@ -185,7 +186,7 @@ class BlockFiles:
             freed += entry.num_bytes
             self._uncache(key)
             if not self.shared:
-                _unlink(entry.path)
+                unlink_quietly(entry.path)
         return freed
 
     # ------------------------------------------------------------ decoded blocks (lock held)
@@ -288,12 +289,3 @@ def directory_reader(directory: Path, fingerprint: ModelFingerprint) -> BlockRea
             raise BlockFileError(e.kind, str(e), key) from e
 
     return read
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.error("disk tier: cannot remove %s: %s", path, e)
