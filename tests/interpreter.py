@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +30,18 @@ def interpreter_results(script: str, timeout: float) -> dict[str, dict[str, Any]
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     return {r["name"]: r for r in lines}
+
+
+def print_cases(cases: Iterable[str], run_case: Callable[[str], dict[str, Any]]) -> None:
+    """The child's side: one JSON record per case on stdout; a case that raises is reported
+    with its traceback and the others still run."""
+    import traceback
+
+    import torch
+
+    torch.set_num_threads(1)
+    for name in cases:
+        try:
+            print(json.dumps(run_case(name)), flush=True)
+        except Exception:  # report the case, keep checking the others
+            print(json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)

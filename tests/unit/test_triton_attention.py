@@ -9,12 +9,11 @@ extras: ~1 GB installed) or where its interpreter cannot run (triton < 3.9 with 
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass, replace
 
 import pytest
 
-from tests.interpreter import interpreter_results
+from tests.interpreter import interpreter_results, print_cases
 
 
 @dataclass(frozen=True)
@@ -254,18 +253,5 @@ def test_kernel_matches_float64_oracle(results: dict[str, dict], name: str) -> N
     assert r["rel"] < r["tolerance"], r
 
 
-def main() -> None:
-    import traceback
-
-    import torch
-
-    torch.set_num_threads(1)
-    for name in CASES:
-        try:
-            print(json.dumps(_run_case(name)), flush=True)
-        except Exception:  # report the case, keep checking the others
-            print(json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    print_cases(CASES, _run_case)

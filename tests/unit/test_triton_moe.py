@@ -8,11 +8,9 @@ case. Skipped where triton is not installed.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.interpreter import interpreter_results
+from tests.interpreter import interpreter_results, print_cases
 
 # name → (tokens, experts, top-k, hidden, expert width, dtype): widths that are not
 # multiples of the 64-wide tiles, experts nobody chose, tiles that end mid-expert
@@ -72,18 +70,5 @@ def test_triton_grouped_gemm_matches_the_reference(results: dict[str, dict], nam
     assert r["rel"] < r["tolerance"], r
 
 
-def main() -> None:
-    import traceback
-
-    import torch
-
-    torch.set_num_threads(1)
-    for name in CASES:
-        try:
-            print(json.dumps(_run_case(name)), flush=True)
-        except Exception:  # report the case, keep checking the others
-            print(json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    print_cases(CASES, _run_case)

@@ -9,12 +9,11 @@ the cases run in one child interpreter (this file as a script) that prints a JSO
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
-from tests.interpreter import interpreter_results
+from tests.interpreter import interpreter_results, print_cases
 
 # router case → (router, norm_topk_prob, tokens, experts, top-k, groups, groups kept):
 # non-power-of-two experts and tokens, one token, 16 tokens, DeepSeek-V3's group limit
@@ -126,19 +125,6 @@ def test_decode_path_block_matches_the_reference_loop(results: dict[str, dict], 
     assert r["rel"] < r["tolerance"], r
 
 
-def main() -> None:
-    import traceback
-
-    import torch
-
-    torch.set_num_threads(1)
-    for cases, run in ((ROUTER_CASES, _router_case), (BLOCK_CASES, _block_case)):
-        for name in cases:
-            try:
-                print(json.dumps(run(name)), flush=True)
-            except Exception:  # report the case, keep checking the others
-                print(json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    print_cases(ROUTER_CASES, _router_case)
+    print_cases(BLOCK_CASES, _block_case)
