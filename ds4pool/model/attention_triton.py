@@ -17,6 +17,22 @@ import torch
 from ds4pool.model.attention import AttentionMetadata
 
 
+def decode_partition_size(
+    batch: int, kv_heads: int, width_tokens: int, num_sms: int, min_size: int = 1024
+) -> int:
+    """`partition_size` of a `paged_decode` launch, from shapes only (graph safe).
+
+    Enough pieces for ~4 programs per SM, assuming the longest context fills only a quarter of
+    the table: a graph's width bucket is up to 4x the context it serves (widths grow x4 in
+    model/cuda_graphs.py), and programs past a row's context exit at once. Pieces are never
+    below `min_size` tokens: a split costs a reduce launch and short contexts are
+    latency-bound, so a table of <= min_size tokens is never split.
+    """
+    splits = max(1, -(-4 * num_sms // max(1, batch * kv_heads)))
+    size = -(-width_tokens // (4 * splits))
+    return max(min_size, -(-size // 64) * 64)
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -40,13 +56,8 @@ class TritonPagedAttention:
         ).multi_processor_count
 
     def partition_size(self, batch: int, num_kv_heads: int, width_tokens: int) -> int:
-        """Split-K partition for a decode launch, from shapes only (graph safe): split a
-        row's context only as far as needed to give every SM a program, and never below
-        1,024 tokens (a split costs a reduce launch; short contexts are latency-bound)."""
-        programs = batch * num_kv_heads
-        splits = max(1, -(-self._sms // programs))
-        size = -(-width_tokens // splits)
-        return max(1024, -(-size // 64) * 64)
+        """Split-K partition for a decode launch (`decode_partition_size`)."""
+        return decode_partition_size(batch, num_kv_heads, width_tokens, self._sms)
 
     def forward(
         self,

@@ -1,0 +1,40 @@
+"""The decode kernel's split-K rule (`decode_partition_size`): shapes in, a partition size out.
+
+No kernel runs here (the kernels' numerics are tests/unit/test_triton_attention.py's); this
+checks what the rule promises a long context: enough live programs to fill the GPU, while a
+short context stays one piece (no reduce launch).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4pool.model.attention_triton import decode_partition_size
+
+SMS = 132  # an H200
+
+
+def live_programs(batch: int, kv_heads: int, width: int, context: int) -> int:
+    size = decode_partition_size(batch, kv_heads, width, SMS)
+    assert size % 64 == 0 and size >= 1024
+    return batch * kv_heads * -(-context // size)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_a_short_table_is_never_split(batch: int) -> None:
+    assert decode_partition_size(batch, 8, 1024, SMS) == 1024  # one piece: no reduce
+
+
+@pytest.mark.parametrize(
+    ("batch", "width", "context"),
+    [(16, 16384, 8320), (16, 16384, 4200), (32, 4096, 3000), (8, 4096, 1100), (64, 16384, 8320)],
+)
+def test_a_long_context_fills_the_gpu(batch: int, width: int, context: int) -> None:
+    # a context anywhere in its width bucket (a quarter of it up to all of it) gets >= ~2
+    # live programs per SM, where one program per (row, kv head) would leave SMs idle
+    assert live_programs(batch, 8, width, context) >= min(2 * SMS, batch * 8 * context // 1024)
+
+
+def test_pieces_shrink_with_the_batch_not_below_the_floor() -> None:
+    sizes = [decode_partition_size(b, 8, 65536, SMS) for b in (1, 4, 16, 64)]
+    assert sizes == sorted(sizes) and sizes[0] == 1024
