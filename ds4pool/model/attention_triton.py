@@ -18,19 +18,21 @@ from ds4pool.model.attention import AttentionMetadata
 
 
 def decode_partition_size(
-    batch: int, kv_heads: int, width_tokens: int, num_sms: int, min_size: int = 1024
+    batch: int, kv_heads: int, width_tokens: int, num_sms: int, short: int = 1024
 ) -> int:
     """`partition_size` of a `paged_decode` launch, from shapes only (graph safe).
 
-    Enough pieces for ~4 programs per SM, assuming the longest context fills only a quarter of
-    the table: a graph's width bucket is up to 4x the context it serves (widths grow x4 in
-    model/cuda_graphs.py), and programs past a row's context exit at once. Pieces are never
-    below `min_size` tokens: a split costs a reduce launch and short contexts are
-    latency-bound, so a table of <= min_size tokens is never split.
+    A table of at most `short` tokens is one piece: a split costs a reduce launch, and short
+    contexts are latency-bound. A wider one gets pieces for ~4 programs per SM assuming the
+    longest context fills only a quarter of the table (a graph's width bucket is up to 4x the
+    context it serves: widths grow x4 in model/cuda_graphs.py; programs past a row's context
+    exit at once), 256 tokens at the least.
     """
+    if width_tokens <= short:
+        return short
     splits = max(1, -(-4 * num_sms // max(1, batch * kv_heads)))
     size = -(-width_tokens // (4 * splits))
-    return max(min_size, -(-size // 64) * 64)
+    return max(256, -(-size // 64) * 64)
 
 
 def triton_available() -> bool:

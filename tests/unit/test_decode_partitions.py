@@ -16,7 +16,7 @@ SMS = 132  # an H200
 
 def live_programs(batch: int, kv_heads: int, width: int, context: int) -> int:
     size = decode_partition_size(batch, kv_heads, width, SMS)
-    assert size % 64 == 0 and size >= 1024
+    assert size % 64 == 0 and size >= 256
     return batch * kv_heads * -(-context // size)
 
 
@@ -27,7 +27,7 @@ def test_a_short_table_is_never_split(batch: int) -> None:
 
 @pytest.mark.parametrize(
     ("batch", "width", "context"),
-    [(16, 16384, 8320), (16, 16384, 4200), (32, 4096, 3000), (8, 4096, 1100), (64, 16384, 8320)],
+    [(16, 16384, 8320), (16, 16384, 4200), (32, 4096, 3000), (8, 4096, 1100), (64, 16384, 8320), (1, 16384, 8320)],
 )
 def test_a_long_context_fills_the_gpu(batch: int, width: int, context: int) -> None:
     # a context anywhere in its width bucket (a quarter of it up to all of it) gets >= ~2
@@ -37,4 +37,9 @@ def test_a_long_context_fills_the_gpu(batch: int, width: int, context: int) -> N
 
 def test_pieces_shrink_with_the_batch_not_below_the_floor() -> None:
     sizes = [decode_partition_size(b, 8, 65536, SMS) for b in (1, 4, 16, 64)]
-    assert sizes == sorted(sizes) and sizes[0] == 1024
+    assert sizes == sorted(sizes) and sizes[0] == 256
+
+
+def test_one_long_context_is_not_left_to_a_few_programs() -> None:
+    # batch 1 at 3k tokens (a 4k-wide table): 1,024-token pieces were 24 programs
+    assert live_programs(1, 8, 4096, 3072) >= 96
