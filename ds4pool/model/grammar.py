@@ -62,6 +62,7 @@ class Constraint:
 
     spec: GrammarSpec
     compiled: Any = field(compare=False, repr=False)
+    utf8: Utf8Guard | None = field(default=None, compare=False, repr=False)
 
 
 class GrammarCache:
@@ -75,6 +76,7 @@ class GrammarCache:
 
         self.vocab_size = vocab_size
         info = _tokenizer_info(xgr, tokenizer, vocab_size)
+        self.utf8 = Utf8Guard(info.decoded_vocab, vocab_size)
         # xgrammar's own cache is unbounded by default: ours is bounded by compiled bytes
         # (0.1-0.6 MB for typical schemas and tool sets at a 152k vocabulary)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -93,7 +95,7 @@ class GrammarCache:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's rejections
             raise GrammarError(f"{spec.param}: {_first_line(exc)}", spec.param) from None
-        constraint = Constraint(spec, compiled)
+        constraint = Constraint(spec, compiled, self.utf8)
         if compiled.memory_size_bytes < self._cache.maxsize:  # else LRUCache would raise
             with self._lock:
                 self._cache[spec] = constraint
@@ -128,6 +130,46 @@ def _tokenizer_info(xgr: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:
     )
 
 
+class Utf8Guard:
+    """What xgrammar lets through that is not UTF-8: a surrogate code point (U+D800-DFFF)
+    written as three bytes, ED A0..BF xx. xgrammar takes it for one character of a JSON
+    string while any decoder makes three U+FFFD of it, so a random model could exceed a
+    schema's maxLength (seen: a 12-character bound, 14 characters out). Its masks remove, for
+    a constrained row, every token holding ED A0..BF, and after a token ending in a lone ED
+    lead byte also every token starting with A0..BF. Every other invalid byte sequence
+    (overlong forms, lone continuation bytes, F4 90+, F5+) xgrammar rejects itself."""
+
+    _INSIDE = re.compile(rb"\xed[\xa0-\xbf]")
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
+        words = (vocab_size + 31) // 32
+        inside: list[int] = []  # tokens holding ED A0..BF
+        starts: list[int] = []  # tokens starting with A0..BF
+        ends: list[int] = []  # tokens ending in ED
+        for i, t in enumerate(decoded_vocab):
+            if t and 0xA0 <= t[0] <= 0xBF:
+                starts.append(i)
+            if b"\xed" in t:
+                if self._INSIDE.search(t):
+                    inside.append(i)
+                if t.endswith(b"\xed"):
+                    ends.append(i)
+        self.ends_with_lead = frozenset(ends)
+        self.anywhere = _clear_bits(inside, words)  # [1, W]: applies in every state
+        self.after_lead = _clear_bits(inside + starts, words)  # after a lone ED
+
+    def mask(self, after_lead: bool) -> torch.Tensor:
+        return self.after_lead if after_lead else self.anywhere
+
+
+def _clear_bits(tokens: list[int], words: int) -> torch.Tensor:
+    """int32 [1, W], all bits set but those of `tokens`."""
+    keep = torch.ones(words * 32, dtype=torch.int64)
+    keep[torch.tensor(tokens, dtype=torch.int64)] = 0
+    packed = (keep.view(words, 32) << torch.arange(32)).sum(1)  # < 2^32 in int64
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)[None]
+
+
 class GrammarState:
     """One sequence's position in its grammar. Used by the step thread only."""
 
@@ -139,6 +181,8 @@ class GrammarState:
         # runner copies it out during that step, before the next fill.
         self.bitmask = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
         self.dead_end = False
+        self._utf8 = constraint.utf8
+        self._after_lead = False  # the output ends with a lone ED lead byte (Utf8Guard)
 
     def fill(self) -> torch.Tensor | None:
         """The next token's bitmask [W] (a view of the reused buffer), or None when every
@@ -146,12 +190,18 @@ class GrammarState:
         unsatisfiable schema): the request must end, a fully masked row cannot sample."""
         if not self._matcher.fill_next_token_bitmask(self.bitmask):
             return None
+        if self._utf8 is not None:
+            self.bitmask &= self._utf8.mask(self._after_lead)
         self.dead_end = not bool(self.bitmask.any())
         return self.bitmask[0]
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar forbids it (a masking bug)."""
-        return bool(self._matcher.accept_token(token))
+        if not self._matcher.accept_token(token):
+            return False
+        if self._utf8 is not None:
+            self._after_lead = token in self._utf8.ends_with_lead
+        return True
 
     @property
     def terminated(self) -> bool:

@@ -188,3 +188,38 @@ def test_constraint_starts_after_a_reasoning_block_the_prompt_opened() -> None:
     assert not matches(cache, tok, spec, "done.</think>\n\nno JSON")
     call = tool_call_spec("hermes", TOOLS, lambda s: tok.token_to_id(s) is not None)
     assert matches(cache, tok, after_open_reasoning(call), "hmm</think>\n\n" + EXPECTED["hermes"])
+
+
+def test_a_string_never_holds_a_surrogate_written_as_utf8() -> None:
+    # xgrammar takes ED A0..BF xx (U+D800-DFFF) for one character; decoded it is three U+FFFD,
+    # which broke a maxLength: a random model wrote 14 characters under a 12 bound
+    from ds4pool.model.grammar import GrammarState
+
+    tok, cache = grammars("qwen3")
+    guard = cache.utf8
+    vocab = _tokenizer_bytes(tok, cache)
+    one = {t: i for i, t in enumerate(vocab) if len(t) == 1}
+    spec = json_schema_spec({"type": "string", "maxLength": 4}, "response_format")
+    state = GrammarState(cache.compile(spec), cache.vocab_size)
+
+    def allowed(token: int) -> bool:
+        mask = state.fill()
+        assert mask is not None
+        return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+    assert state.accept(tok.encode('"', add_special_tokens=False)[0])
+    assert allowed(one[b"\xed"]) and allowed(one[b"\xe2"])
+    assert state.accept(one[b"\xed"])
+    assert not allowed(one[b"\xa0"]) and not allowed(one[b"\xbf"])  # a surrogate's second byte
+    assert allowed(one[b"\x80"]) and allowed(one[b"\x9f"])  # ED 80..9F: U+D000-D7FF, valid
+    assert state.accept(one[b"\x80"]) and state.accept(one[b"\x80"])  # U+D000
+    assert allowed(one[b"\xa0"]) is False  # a lone continuation byte: xgrammar's own rule
+    assert allowed(tok.encode("a", add_special_tokens=False)[0])
+    inside = [i for i, t in enumerate(vocab) if guard._INSIDE.search(t)]
+    assert all(not allowed(i) for i in inside)
+
+
+def _tokenizer_bytes(tok: Tokenizer, cache: GrammarCache) -> list[bytes]:
+    from ds4pool.model.grammar import _tokenizer_info
+
+    return list(_tokenizer_info(xgr, tok, cache.vocab_size).decoded_vocab)
