@@ -69,10 +69,12 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = ops.rms_norm(self.q_norm, q), ops.rms_norm(self.k_norm, k)
-        q, k = ops.rotary(q, k, rope)
-        out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T, H, D]
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        # norms + RoPE, and on the Triton path the KV store too (one launch): kv_stored
+        q, k, stored = ops.attention_prologue(
+            q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
+        )
+        out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
         return self.o_proj(out.reshape(t, -1))
 
 
