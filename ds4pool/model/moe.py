@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from torch.nn import functional as F
 from ds4pool.model.config import MoEConfig
 from ds4pool.model.layers import GatedMLP
 from ds4pool.model.routers import route
+
+if TYPE_CHECKING:  # kernels/ stays unimported at module level (triton is CUDA-only)
+    from ds4pool.model.kernels.triton_moe_configs import DecodeConfig
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] gate|up → [R, I]
 
@@ -241,6 +244,9 @@ class SparseMoeBlock(nn.Module):
         self.impl = "auto"  # one of EXPERT_IMPLS (benchmarks compare them)
         self.decode_max_pairs = DECODE_MAX_PAIRS  # where "auto" switches to grouped GEMMs
         self.decode_gemv_tokens: int | None = None  # None: the decode kernels' own default
+        # the decode kernels' launch configuration (triton_moe_configs.DecodeConfig); None:
+        # their table by token count (bench/moe_layer.py --sweep sets candidates here)
+        self.decode_config: DecodeConfig | None = None
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
@@ -255,7 +261,9 @@ class SparseMoeBlock(nn.Module):
             weights, ids, groups = self.gate.route_decode(x)
             if self.observer is not None:
                 self.observer(ids)
-            out = decode_experts(x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens)
+            out = decode_experts(
+                x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config
+            )
         else:
             weights, ids = self.gate(x)
             if self.observer is not None:

@@ -40,6 +40,51 @@ BLOCK_CASES: dict[str, tuple[str, int, str, int | None]] = {
 }
 
 
+# config cases: every tile shape the sweep tries (triton_moe_configs.sweep_shapes, both
+# projections at once, the split-K partial paths included) at one token (GEMV tiles) and
+# five (dot tiles), fp32
+CONFIG_TOKENS = (1, 5)
+
+
+def _config_cases() -> list[str]:
+    from ds4pool.model.kernels.triton_moe_configs import sweep_shapes
+
+    return [
+        f"config_t{t}_n{c.block_n}_k{c.block_k}_s{c.split_k}"
+        for t in CONFIG_TOKENS
+        for c in sweep_shapes()
+    ]
+
+
+def _config_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, ProjTiles
+    from ds4pool.model.moe import SparseMoeBlock
+
+    _, t, n, k, s = name.split("_")
+    tokens, tiles = int(t[1:]), ProjTiles(int(n[1:]), int(k[1:]), int(s[1:]))
+    # hidden 136, width 72: K strips that end mid-block, splits of unequal work (a split
+    # of a strip shorter than split x BLOCK_K has fewer programs: the down's from BLOCK_K
+    # 128 on, the gate_up's at 256, have one; the kernels' code is the same at every BLOCK_K)
+    moe = MoEConfig(6, 2, 72, "softmax_topk", (0,), norm_topk_prob=True)  # few programs
+    block = SparseMoeBlock(moe, 136)
+    gen = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    x = torch.randn(tokens, 136, generator=gen)
+    with torch.no_grad():
+        block.impl = "loop"
+        truth = block.double()(x.double())
+        block.impl = "decode"
+        block.decode_config = DecodeConfig(tiles, tiles)
+        block.decode_gemv_tokens = 1  # one token by GEMV, more by dot tiles
+        got = block.float()(x.float()).double()
+    return {"name": name, "rel": float((got - truth).abs().max() / truth.abs().max())}
+
+
 def _router_case(name: str) -> dict[str, Any]:
     import torch
 
@@ -105,7 +150,7 @@ def _block_case(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    return interpreter_results(__file__, timeout=400)
+    return interpreter_results(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(ROUTER_CASES))
@@ -125,6 +170,13 @@ def test_decode_path_block_matches_the_reference_loop(results: dict[str, dict], 
     assert r["rel"] < r["tolerance"], r
 
 
+def test_every_swept_config_matches_the_reference_loop(results: dict[str, dict]) -> None:
+    bad = {n: results[n].get("error") or results[n]["rel"] for n in _config_cases()}
+    bad = {n: r for n, r in bad.items() if not (isinstance(r, float) and r < 1e-5)}
+    assert not bad, bad
+
+
 if __name__ == "__main__":
     print_cases(ROUTER_CASES, _router_case)
     print_cases(BLOCK_CASES, _block_case)
+    print_cases(_config_cases(), _config_case)
