@@ -101,10 +101,16 @@ class LlamaDecoderLayer(nn.Module):
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(next_norm(residual'), residual') where residual' is the stream after this layer:
-        each residual add is fused with the norm that reads it."""
+        each residual add is fused with the norm that reads it (a sparse MLP's, on the
+        Triton decode path, with the experts' combine too: SparseMoeBlock.add_norm)."""
         a = self.self_attn(h, rope, cache, meta, ops)
         residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
-        residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        fused = None
+        if isinstance(self.mlp, SparseMoeBlock):
+            fused = self.mlp.add_norm(h, residual, next_norm, ops)
+        if fused is None:
+            fused = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        residual, h = fused
         return h, residual
 
 

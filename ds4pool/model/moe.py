@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ds4pool.model.config import MoEConfig
-from ds4pool.model.layers import GatedMLP
+from ds4pool.model.layers import GatedMLP, RMSNorm
 from ds4pool.model.routers import route
 
 if TYPE_CHECKING:  # kernels/ stays unimported at module level (triton is CUDA-only)
@@ -251,6 +251,30 @@ class SparseMoeBlock(nn.Module):
     def fuse(self) -> None:
         if self.shared_experts is not None:
             self.shared_experts.fuse()
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(residual', norm(residual')) with residual' = residual + self(x), the combine,
+        the add and the norm in one launch (updating `residual` in place, as TritonOps'
+        add_rms_norm does), where the step takes the decode kernels on the Triton path and
+        there are no shared experts; None elsewhere: the caller runs forward and the norm."""
+        if getattr(ops, "name", None) != "triton" or self.shared_experts is not None:
+            return None
+        pairs = x.shape[0] * self.gate.moe.top_k
+        if expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs) != "decode":
+            return None
+        from ds4pool.model.kernels.triton_moe_decode import decode_experts
+
+        weights, ids, groups = self.gate.route_decode(x)
+        if self.observer is not None:
+            self.observer(ids)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        h = decode_experts(
+            x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config,
+            residual=residual, norm_weight=norm.weight, eps=norm.eps,
+        )  # fmt: skip
+        return residual, h
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj

@@ -64,3 +64,35 @@ def test_fused_prologue_matches_the_reference_in_bf16(
     torch.testing.assert_close(gq, uq, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(gk, uk, atol=1e-2, rtol=1e-2)
     assert torch.equal(got_cache.view(2, -1, kv_heads, d)[1, slots], v)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_moe_combine_with_add_norm_equals_the_unfused_pair_in_bf16(tokens: int, split: int) -> None:
+    """The MoE decode path's last launch with the layer's residual add and next RMSNorm
+    (kernels/triton_moe_combine.py) at Qwen3-30B-A3B's hidden size, vs the plain combine and
+    TritonOps.add_rms_norm: the same residual bit for bit, the same norm to a bf16 ulp."""
+    from ds4pool.model.kernels.triton_moe_configs import DEFAULT, DecodeConfig, ProjTiles
+    from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    from ds4pool.model.kernels.triton_moe_route import expert_groups
+    from ds4pool.model.routers import route_softmax_topk
+
+    dt, e, k, hidden, inter = torch.bfloat16, 128, 8, 2048, 768
+    gen = torch.Generator(device=CUDA).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=CUDA, dtype=dt, generator=gen)
+    gate_up = (torch.randn(e, 2 * inter, hidden, device=CUDA, generator=gen) * 0.02).to(dt)
+    down = (torch.randn(e, hidden, inter, device=CUDA, generator=gen) * 0.02).to(dt)
+    weights, ids = route_softmax_topk(torch.randn(tokens, e, device=CUDA, generator=gen), k, True)
+    groups = expert_groups(ids, e)
+    norm = RMSNorm(hidden, 1e-6).to(CUDA, dt)
+    config = DecodeConfig(DEFAULT.gate_up, ProjTiles(32, 128, split))
+    residual = torch.randn(tokens, hidden, device=CUDA, dtype=dt, generator=gen)
+    plain = decode_experts(x, weights, ids, groups, gate_up, down, config=config)
+    want_res, want_h = TritonOps().add_rms_norm(norm, plain, residual.clone())
+    got_res = residual.clone()
+    got_h = decode_experts(
+        x, weights, ids, groups, gate_up, down, config=config, residual=got_res,
+        norm_weight=norm.weight, eps=norm.eps,
+    )  # fmt: skip
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got_h, want_h, atol=1e-2, rtol=1e-2)

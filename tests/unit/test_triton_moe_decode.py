@@ -85,6 +85,47 @@ def _config_case(name: str) -> dict[str, Any]:
     return {"name": name, "rel": float((got - truth).abs().max() / truth.abs().max())}
 
 
+# fused norm case → down projection's split-K: decode_experts with the layer's residual add
+# and RMSNorm in the combine vs the plain combine followed by TritonOps.add_rms_norm
+NORM_CASES = {"combine_norm_s1": 1, "combine_norm_s2": 2}
+
+
+def _norm_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.kernels.triton_moe_configs import DEFAULT, DecodeConfig, ProjTiles
+    from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    from ds4pool.model.kernels.triton_moe_route import expert_groups
+    from ds4pool.model.layers import RMSNorm
+    from ds4pool.model.ops import TritonOps
+    from ds4pool.model.routers import route_softmax_topk
+
+    gen = torch.Generator().manual_seed(7)
+    t, e, k, hidden, inter = 3, 6, 2, 48, 136  # a non-power-of-two row (masked tail)
+    x = torch.randn(t, hidden, generator=gen)
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(e, hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = route_softmax_topk(torch.randn(t, e, generator=gen), k, True)
+    groups = expert_groups(ids, e)
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5, generator=gen)
+    config = DecodeConfig(DEFAULT.gate_up, ProjTiles(32, 64, NORM_CASES[name]))
+    residual = torch.randn(t, hidden, generator=gen)
+    plain = decode_experts(x, weights, ids, groups, gate_up, down, config=config)
+    want_res, want_h = TritonOps().add_rms_norm(norm, plain, residual.clone())
+    got_res = residual.clone()
+    got_h = decode_experts(
+        x, weights, ids, groups, gate_up, down, config=config, residual=got_res,
+        norm_weight=norm.weight.detach(), eps=norm.eps,
+    )  # fmt: skip
+    return {
+        "name": name,
+        "residual_equal": torch.equal(got_res, want_res),
+        "norm_err": float((got_h - want_h).abs().max()),
+        "moved": float((got_res - residual).abs().max()),
+    }
+
+
 def _router_case(name: str) -> dict[str, Any]:
     import torch
 
@@ -170,6 +211,15 @@ def test_decode_path_block_matches_the_reference_loop(results: dict[str, dict], 
     assert r["rel"] < r["tolerance"], r
 
 
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_combine_with_the_residual_add_and_norm(results: dict[str, dict], name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["moved"] > 0.1, "the residual must be updated in place"
+    assert r["residual_equal"], "residual + experts must round as the unfused add does"
+    assert r["norm_err"] < 1e-6, r
+
+
 def test_every_swept_config_matches_the_reference_loop(results: dict[str, dict]) -> None:
     bad = {n: results[n].get("error") or results[n]["rel"] for n in _config_cases()}
     bad = {n: r for n, r in bad.items() if not (isinstance(r, float) and r < 1e-5)}
@@ -180,3 +230,4 @@ if __name__ == "__main__":
     print_cases(ROUTER_CASES, _router_case)
     print_cases(BLOCK_CASES, _block_case)
     print_cases(_config_cases(), _config_case)
+    print_cases(NORM_CASES, _norm_case)

@@ -121,10 +121,14 @@ def _case(name: str) -> dict[str, Any]:
 
 # model case → architecture: a tiny decoder through a prompt chunk and two decode steps
 # with TritonOps (the fused prologue; the backend skips its store) vs TorchOps
+# (Qwen3-MoE: also the experts' combine + residual add + norm in one launch, the decode
+# kernels vs the reference loop)
 MODEL_CASES: dict[str, str] = {
     "qwen3_model": "Qwen3ForCausalLM",
     "llama_model": "LlamaForCausalLM",
+    "qwen3_moe_model": "Qwen3MoeForCausalLM",
 }
+MOE_FIELDS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def _model_case(name: str) -> dict[str, Any]:
@@ -133,6 +137,7 @@ def _model_case(name: str) -> dict[str, Any]:
     from ds4pool.model.attention import TorchPagedAttention, build_metadata
     from ds4pool.model.config import ModelConfig
     from ds4pool.model.llama import LlamaForCausalLM
+    from ds4pool.model.moe import SparseMoeBlock
     from ds4pool.model.ops import TorchOps, TritonOps
 
     cfg = ModelConfig.from_hf(
@@ -145,6 +150,7 @@ def _model_case(name: str) -> dict[str, Any]:
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "head_dim": 16,
+            **(MOE_FIELDS if "Moe" in MODEL_CASES[name] else {}),
         }
     )
     torch.manual_seed(0)
@@ -158,6 +164,9 @@ def _model_case(name: str) -> dict[str, Any]:
 
     def run(ops: TorchOps) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         model.set_attention_backend(TorchPagedAttention(cpu_kernels=False), ops)
+        for m in model.modules():
+            if isinstance(m, SparseMoeBlock):  # the decode kernels where the ops are Triton's
+                m.impl = "decode" if ops.name == "triton" else "loop"
         caches = [torch.zeros(2, 5, 4, 2, 16) for _ in range(2)]
         outs = []
         for ids, ctx in steps:

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
 from ds4pool.model.kernels.triton_moe_route import pow2
 
@@ -163,33 +164,6 @@ def _down_kernel(
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.jit
-def _combine_kernel(
-    y_ptr, ypart_ptr, weights_ptr, out_ptr, hidden, stride_y, stride_ys, stride_yr, stride_o,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    tok = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < hidden
-    dt = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order, as moe._combine
-        w = tl.load(weights_ptr + tok * TOP_K + j)
-        pair = (tok * TOP_K + j).to(tl.int64)
-        if SPLIT > 1:  # the down's partial sums in split order, rounded as its output
-            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                y += tl.load(
-                    ypart_ptr + s * stride_ys + pair * stride_yr + cols, mask=ok, other=0.0
-                )
-            y = y.to(dt).to(tl.float32)
-        else:
-            y = tl.load(y_ptr + pair * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += w * y
-    out = out_ptr + tok.to(tl.int64) * stride_o + cols
-    tl.store(out, acc.to(dt), mask=ok)
-
-
 # Steps of up to this many tokens multiply by broadcasting (a GEMV per row); above, tl.dot
 # tiles of >= 16 rows (padding rows cost tensor-core time only, which decode has to spare,
 # and Triton pipelines a dot loop's loads, which it does not for the GEMV's). Where the
@@ -228,9 +202,14 @@ def decode_experts(
     down: torch.Tensor,  # [E, H, I]
     gemv_max_tokens: int | None = None,  # None: GEMV_MAX_TOKENS
     config: DecodeConfig | None = None,  # None: triton_moe_configs.config_for(T)
+    residual: torch.Tensor | None = None,  # [T, H]: fuse the layer's residual add + norm
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · down[e](silu·mul(gate_up[e] x[t])) for each token's k experts
-    e = ids[t, j]: three launches (gate_up, down, combine), whatever the splits."""
+    e = ids[t, j]: three launches (gate_up, down, combine), whatever the splits. With
+    `residual`, the combine also adds the sum into it (in place) and returns the RMSNorm of
+    the result by `norm_weight` (triton_moe_combine.py)."""
     t, hidden = x.shape
     experts, two_i, hidden_w = gate_up.shape
     k = ids.shape[1]
@@ -240,9 +219,8 @@ def decode_experts(
     ids = ids.contiguous()
     weights = weights.contiguous()
     g = groups.numel()
-    out = torch.empty_like(x)
     if t == 0:
-        return out
+        return torch.empty_like(x)
     cfg = config or config_for(t)
     gu, dn = cfg.gate_up, cfg.down
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -279,10 +257,4 @@ def decode_experts(
         PRECISION=precision, GU_SPLIT=gu_split, SPLIT=dn_split, num_warps=dn.num_warps,
         num_stages=dn.num_stages,
     )  # fmt: skip
-    block_c = 256
-    _combine_kernel[(t, triton.cdiv(hidden, block_c))](
-        y, ypart, weights, out, hidden, y.stride(0), ypart.stride(0),
-        ypart.stride(1) if dn_split > 1 else 0, out.stride(0),
-        TOP_K=k, BLOCK_N=block_c, SPLIT=dn_split, num_warps=4,
-    )  # fmt: skip
-    return out
+    return combine(ypart if dn_split > 1 else y, weights, x.dtype, residual, norm_weight, eps)
