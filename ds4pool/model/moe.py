@@ -261,38 +261,40 @@ class SparseMoeBlock(nn.Module):
         there are no shared experts; None elsewhere: the caller runs forward and the norm."""
         if getattr(ops, "name", None) != "triton" or self.shared_experts is not None:
             return None
-        pairs = x.shape[0] * self.gate.moe.top_k
-        if expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs) != "decode":
+        if not self._takes_decode(x):
             return None
+        return residual, self._decode(x, residual, norm)
+
+    def _takes_decode(self, x: torch.Tensor) -> bool:
+        pairs = x.shape[0] * self.gate.moe.top_k
+        chosen = expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs)
+        return chosen == "decode"
+
+    def _decode(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        """The decode kernels' output; with `residual` and `norm`, norm(residual += it)."""
         from ds4pool.model.kernels.triton_moe_decode import decode_experts
 
         weights, ids, groups = self.gate.route_decode(x)
         if self.observer is not None:
             self.observer(ids)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        h = decode_experts(
+        return decode_experts(
             x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config,
-            residual=residual, norm_weight=norm.weight, eps=norm.eps,
+            residual=residual, norm_weight=None if norm is None else norm.weight,
+            eps=0.0 if norm is None else norm.eps,
         )  # fmt: skip
-        return residual, h
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        pairs = x.shape[0] * self.gate.moe.top_k
-        if expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs) == "decode":
-            from ds4pool.model.kernels.triton_moe_decode import decode_experts
-
-            weights, ids, groups = self.gate.route_decode(x)
-            if self.observer is not None:
-                self.observer(ids)
-            out = decode_experts(
-                x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config
-            )
+        if self._takes_decode(x):
+            out = self._decode(x)
         else:
             weights, ids = self.gate(x)
             if self.observer is not None:
                 self.observer(ids)
             act = silu_mul if ops is None else ops.silu_mul
+            gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
             out = experts_forward(x, weights, ids, gate_up, down, act, self.impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ops)
