@@ -45,6 +45,41 @@ def _norm_rope(
 
 
 @triton.jit
+def _q_block(
+    q_ptr, w_ptr, t, first, num_heads, stride_qt, stride_qh, cols, cmask, c, s, eps,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    heads = first + tl.arange(0, BLOCK)
+    m = (heads < num_heads)[:, None] & cmask[None, :]
+    base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + cols[None, :]
+    y1, y2 = _norm_rope(base, m, cols, cmask, w_ptr, c, s, eps, D, HALF, HAS_NORM)
+    tl.store(base, y1, mask=m)
+    tl.store(base + HALF, y2, mask=m)
+
+
+@triton.jit
+def _kv_block(
+    k_ptr, v_ptr, cache_ptr, slot_ptr, w_ptr, t, first, num_kv_heads, half_cache,
+    stride_kt, stride_kh, stride_vt, stride_vh, cols, cmask, c, s, eps,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    heads = first + tl.arange(0, BLOCK)
+    m = (heads < num_kv_heads)[:, None] & cmask[None, :]
+    base = k_ptr + t.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + cols[None, :]
+    y1, y2 = _norm_rope(base, m, cols, cmask, w_ptr, c, s, eps, D, HALF, HAS_NORM)
+    tl.store(base, y1, mask=m)
+    tl.store(base + HALF, y2, mask=m)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dst = cache_ptr + slot * num_kv_heads * D + heads[:, None] * D + cols[None, :]
+    et = cache_ptr.dtype.element_ty
+    tl.store(dst, y1.to(et), mask=m)
+    tl.store(dst + HALF, y2.to(et), mask=m)
+    vb = v_ptr + t.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + cols[None, :]
+    tl.store(dst + half_cache, tl.load(vb, mask=m).to(et), mask=m)
+    tl.store(dst + half_cache + HALF, tl.load(vb + HALF, mask=m).to(et), mask=m)
+
+
+@triton.jit
 def _prologue_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, inv_ptr, qw_ptr, kw_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -61,28 +96,15 @@ def _prologue_kernel(
     freq = pos * tl.load(inv_ptr + cols, mask=cmask, other=0.0)  # [HALF_PAD] fp32
     c = (tl.cos(freq) * factor)[None, :]
     s = (tl.sin(freq) * factor)[None, :]
+    # a runtime branch: each side is a function of its own, so that no name is assigned
+    # tiles of two shapes (q's and kv's blocks differ) in the two branches
     if j < q_blocks:
-        heads = j * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        m = (heads < num_heads)[:, None] & cmask[None, :]
-        base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + cols[None, :]
-        y1, y2 = _norm_rope(base, m, cols, cmask, qw_ptr, c, s, eps, D, HALF, HAS_NORM)
-        tl.store(base, y1, mask=m)
-        tl.store(base + HALF, y2, mask=m)
+        _q_block(q_ptr, qw_ptr, t, j * BLOCK_Q, num_heads, stride_qt, stride_qh, cols, cmask,
+                 c, s, eps, D, HALF, BLOCK_Q, HAS_NORM)  # fmt: skip
     else:
-        heads = (j - q_blocks) * BLOCK_KV + tl.arange(0, BLOCK_KV)
-        m = (heads < num_kv_heads)[:, None] & cmask[None, :]
-        base = k_ptr + t.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + cols[None, :]
-        y1, y2 = _norm_rope(base, m, cols, cmask, kw_ptr, c, s, eps, D, HALF, HAS_NORM)
-        tl.store(base, y1, mask=m)
-        tl.store(base + HALF, y2, mask=m)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        dst = cache_ptr + slot * num_kv_heads * D + heads[:, None] * D + cols[None, :]
-        et = cache_ptr.dtype.element_ty
-        tl.store(dst, y1.to(et), mask=m)
-        tl.store(dst + HALF, y2.to(et), mask=m)
-        vb = v_ptr + t.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + cols[None, :]
-        tl.store(dst + half_cache, tl.load(vb, mask=m).to(et), mask=m)
-        tl.store(dst + half_cache + HALF, tl.load(vb + HALF, mask=m).to(et), mask=m)
+        _kv_block(k_ptr, v_ptr, cache_ptr, slot_ptr, kw_ptr, t, (j - q_blocks) * BLOCK_KV,
+                  num_kv_heads, half_cache, stride_kt, stride_kh, stride_vt, stride_vh, cols,
+                  cmask, c, s, eps, D, HALF, BLOCK_KV, HAS_NORM)  # fmt: skip
 
 
 def norm_rope_store(
