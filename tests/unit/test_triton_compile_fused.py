@@ -53,10 +53,10 @@ def test_prologue_compiles(norm: bool, block_kv: int) -> None:
     compile_sm90(prologue._prologue_kernel, consts)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_moe_gate_up_compiles(split: int) -> None:
-    consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=128, USE_DOT=True,
-                  PRECISION="tf32", SPLIT=split)  # fmt: skip
+@pytest.mark.parametrize("split, dot", [(1, True), (2, True), (4, False)])  # dot or GEMV
+def test_moe_gate_up_compiles(split: int, dot: bool) -> None:
+    consts = dict(TOP_K=8, BLOCK_T=16 if dot else 1, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=128,
+                  USE_DOT=dot, PRECISION="tf32", SPLIT=split)  # fmt: skip
     compile_sm90(moe_decode._gate_up_kernel, consts, 4, 4)
 
 
