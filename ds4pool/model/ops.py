@@ -123,6 +123,8 @@ class TritonOps(TorchOps):
             and cache.shape[0] == 2
             and cache.is_contiguous()
             and q.stride(2) == k.stride(2) == v.stride(2) == 1
+            # one eps for both norms (both are the config's rms_norm_eps)
+            and (q_norm is None or k_norm is None or q_norm.eps == k_norm.eps)
         )
         if not fusable:
             return super().attention_prologue(q, k, v, rope, cache, slots, q_norm, k_norm)
