@@ -85,6 +85,8 @@ def test_moe_combine_with_add_norm_equals_the_unfused_pair_in_bf16(tokens: int, 
     weights, ids = route_softmax_topk(torch.randn(tokens, e, device=CUDA, generator=gen), k, True)
     groups = expert_groups(ids, e)
     norm = RMSNorm(hidden, 1e-6).to(CUDA, dt)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
     config = DecodeConfig(DEFAULT.gate_up, ProjTiles(32, 128, split))
     residual = torch.randn(tokens, hidden, device=CUDA, dtype=dt, generator=gen)
     plain = decode_experts(x, weights, ids, groups, gate_up, down, config=config)
