@@ -14,9 +14,10 @@ device copy bandwidth. The decode path's tile switch is `--decode-gemv-tokens`.
     python3 bench/moe_layer.py --sweep --tokens 1 2 4 8
 
 times the decode path's launch configurations instead (model/kernels/triton_moe_configs.py):
-per step size, every tile shape of each projection (the other at its default), then warps x
-stages for the best few shapes, and prints the best configuration of each step size as a
-row of `DECODE_CONFIGS`, ready to paste, with its µs next to the default's. A configuration
+per step size, every tile shape of each projection (the other at its default; GEMV or dot
+tiles, chosen with gate_up's, at one or two tokens), then warps x stages for the best few,
+and prints the best configuration of each step size as a row of `DECODE_CONFIGS`, ready to
+paste, with its µs next to the default's. A configuration
 the GPU cannot compile (shared memory) is skipped.
 """
 
@@ -35,6 +36,7 @@ from bench.decode import copy_bandwidth  # noqa: E402
 from ds4pool.model.demo import preset_config  # noqa: E402
 from ds4pool.model.kernels.triton_moe_configs import (  # noqa: E402
     DEFAULT,
+    SWEEP_GEMV_TOKENS,
     DecodeConfig,
     sweep_schedules,
     sweep_shapes,
@@ -93,12 +95,17 @@ def sweep(
         return timed[config]
 
     best = DEFAULT
+    gemvs = (False, True) if x.shape[0] <= SWEEP_GEMV_TOKENS else (False,)
     for proj in ("gate_up", "down"):
         base = best
-        shapes = [replace(base, **{proj: tiles}) for tiles in sweep_shapes()]
+        shapes = [
+            replace(base, **{proj: tiles}, gemv=g if proj == "gate_up" else base.gemv)
+            for tiles in sweep_shapes()
+            for g in gemvs
+        ]
         finalists = sorted(shapes, key=us)[:SWEEP_FINALISTS]
         tried = [
-            replace(base, **{proj: tiles})
+            replace(f, **{proj: tiles})
             for f in finalists
             for tiles in sweep_schedules(getattr(f, proj))
         ]

@@ -42,6 +42,9 @@ class ProjTiles:
 class DecodeConfig:
     gate_up: ProjTiles  # over the hidden size, silu·mul in its epilogue (or the down's prologue)
     down: ProjTiles  # over the intermediate size; its split is summed by the combine
+    # GEMV tiles (broadcast products, one row a token) instead of tl.dot's 16-row tiles;
+    # None: by the kernels' GEMV_MAX_TOKENS (or the caller's gemv_max_tokens)
+    gemv: bool | None = None
 
 
 # The configuration before any sweep (the H200's numbers in docs/BENCHMARKS.md were measured
@@ -64,14 +67,16 @@ def config_for(
 
 
 # What the sweep tries for each projection (the other one at its DEFAULT while it does), in
-# two rounds to keep compiles few: the tile shapes at 4 warps and 3 stages, then warps and
-# stages for the best few shapes. Interpreter tests check every shape for correctness
-# (warps and stages change the compiled code only, not the result).
+# two rounds to keep compiles few: the tile shapes at 4 warps and 3 stages (with GEMV and
+# with dot tiles up to SWEEP_GEMV_TOKENS tokens), then warps and stages for the best few.
+# Interpreter tests check every shape for correctness, GEMV and dot (warps and stages change
+# the compiled code only, not the result).
 SWEEP_BLOCK_N = (16, 32, 64)
 SWEEP_BLOCK_K = (64, 128, 256)
 SWEEP_SPLIT_K = (1, 2, 4)
 SWEEP_WARPS = (2, 4, 8)
 SWEEP_STAGES = (2, 3, 4)
+SWEEP_GEMV_TOKENS = 2
 
 
 def sweep_shapes() -> list[ProjTiles]:

@@ -200,7 +200,7 @@ def decode_experts(
     groups: torch.Tensor,  # [G] from route_topk / expert_groups
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
-    gemv_max_tokens: int | None = None,  # None: GEMV_MAX_TOKENS
+    gemv_max_tokens: int | None = None,  # None: GEMV_MAX_TOKENS (a config's gemv wins)
     config: DecodeConfig | None = None,  # None: triton_moe_configs.config_for(T)
     residual: torch.Tensor | None = None,  # [T, H]: fuse the layer's residual add + norm
     norm_weight: torch.Tensor | None = None,
@@ -225,6 +225,8 @@ def decode_experts(
     gu, dn = cfg.gate_up, cfg.down
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     gemv_max_tokens = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
+    if cfg.gemv is not None:  # the table's row decides GEMV vs dot tiles for its step sizes
+        gemv_max_tokens = t if cfg.gemv else 0
     bt, bn, bk, dot = _tiles(t, gu.block_n, x.element_size(), gemv_max_tokens, gu.block_k)
     gu_split, gu_chunk = _strips(hidden, gu.split_k, bk)
     if gu_split > 1:  # [S, R, 2I] float32 partials; h is not made
