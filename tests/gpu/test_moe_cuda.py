@@ -99,6 +99,7 @@ def test_every_swept_decode_config_compiles_and_matches_the_loop(tokens: int) ->
 
     from ds4pool.model.kernels.triton_moe_configs import (
         DEFAULT,
+        SWEEP_GEMV_TOKENS,
         DecodeConfig,
         sweep_schedules,
         sweep_shapes,
@@ -114,16 +115,20 @@ def test_every_swept_decode_config_compiles_and_matches_the_loop(tokens: int) ->
     groups = expert_groups(ids, 64)
     shapes = sweep_shapes()
     tiles = set(shapes) | set(sweep_schedules(max(shapes, key=lambda t: (t.block_n, t.block_k))))
+    configs = [
+        c for t in tiles for c in (DecodeConfig(t, DEFAULT.down), DecodeConfig(DEFAULT.gate_up, t))
+    ]
+    if tokens <= SWEEP_GEMV_TOKENS:  # the sweep tries GEMV tiles there too
+        configs += [DecodeConfig(t, t, gemv=True) for t in shapes]
     bad = {}
-    for t in sorted(tiles, key=repr):
-        for config in (DecodeConfig(t, DEFAULT.down), DecodeConfig(DEFAULT.gate_up, t)):
-            try:
-                got = decode_experts(xs, w, ids, groups, gu, dn, config=config)
-            except OutOfResources:
-                continue
-            err = rel_err(got.cpu(), truth)
-            if not err <= bound:
-                bad[repr(config)] = err
+    for config in sorted(configs, key=repr):
+        try:
+            got = decode_experts(xs, w, ids, groups, gu, dn, config=config)
+        except OutOfResources:
+            continue
+        err = rel_err(got.cpu(), truth)
+        if not err <= bound:
+            bad[repr(config)] = err
     assert not bad, bad
 
 
