@@ -146,7 +146,8 @@ def _down_kernel(
             for s in tl.static_range(GU_SPLIT):
                 acc_g += tl.load(rows + s * stride_ps, mask=a_mask, other=0.0)
                 acc_u += tl.load(rows + s * stride_ps + inter, mask=a_mask, other=0.0)
-            a = _silu_mul_rounded(acc_g, acc_u, y_ptr.dtype.element_ty)
+            # in the activation dtype: the weights' (y is float32 partials under a split)
+            a = _silu_mul_rounded(acc_g, acc_u, w_ptr.dtype.element_ty)
         else:
             a = tl.load(
                 h_ptr + pair[:, None].to(tl.int64) * stride_h + ks[None, :],
@@ -216,6 +217,7 @@ def decode_experts(
     inter = two_i // 2
     assert hidden == hidden_w and down.shape == (experts, hidden, inter), (x.shape, down.shape)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
+    assert gate_up.dtype == down.dtype == x.dtype, (x.dtype, gate_up.dtype, down.dtype)
     ids = ids.contiguous()
     weights = weights.contiguous()
     g = groups.numel()
