@@ -10,12 +10,22 @@ CUDA graph, as a decode step replays them, and times replays with CUDA events. P
 layer (router included), the distinct experts D(T) a layer read, and the expert bytes read
 over that time (D(T) x one expert's bytes / µs) as GB/s and as a fraction of the measured
 device copy bandwidth. The decode path's tile switch is `--decode-gemv-tokens`.
+
+    python3 bench/moe_layer.py --sweep --tokens 1 2 4 8
+
+times the decode path's launch configurations instead (model/kernels/triton_moe_configs.py):
+per step size, every tile shape of each projection (the other at its default; GEMV or dot
+tiles, chosen with gate_up's, at one or two tokens), then warps x stages for the best few,
+and prints the best configuration of each step size as a row of `DECODE_CONFIGS`, ready to
+paste, with its µs next to the default's. A configuration
+the GPU cannot compile (shared memory) is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,12 +34,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import copy_bandwidth  # noqa: E402
 from ds4pool.model.demo import preset_config  # noqa: E402
+from ds4pool.model.kernels.triton_moe_configs import (  # noqa: E402
+    DEFAULT,
+    SWEEP_GEMV_TOKENS,
+    DecodeConfig,
+    sweep_schedules,
+    sweep_shapes,
+)
 from ds4pool.model.moe import SparseMoeBlock  # noqa: E402
 
+SWEEP_FINALISTS = 3  # shapes of the first round whose warps x stages the second one tries
 
-def layer_us(blocks: list[SparseMoeBlock], x: torch.Tensor, replays: int) -> float:
+
+def layer_us(
+    blocks: list[SparseMoeBlock], x: torch.Tensor, replays: int, repeats: int = 1
+) -> float:
     """µs per layer: one forward of each block captured in one graph, timed over `replays`
-    (distinct blocks, so the L2 cache holds no expert of the next one)."""
+    (distinct blocks, so the L2 cache holds no expert of the next one); the best of
+    `repeats` such timings."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
@@ -41,13 +63,54 @@ def layer_us(blocks: list[SparseMoeBlock], x: torch.Tensor, replays: int) -> flo
         for b in blocks:  # the same input to each: its routing is of a real-scale token
             b(x)
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(blocks))
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(blocks)))
+    return best
+
+
+def sweep(
+    blocks: list[SparseMoeBlock], x: torch.Tensor, replays: int
+) -> tuple[DecodeConfig, float, float]:
+    """(best config, its µs, the default's µs) of the decode path at x's step size: each
+    projection in turn (gate_up first, then down with gate_up's winner), tile shapes first,
+    then warps x stages of the best few."""
+    timed: dict[DecodeConfig, float] = {}
+
+    def us(config: DecodeConfig) -> float:
+        if config not in timed:
+            for b in blocks:
+                b.decode_config = config
+            try:
+                timed[config] = layer_us(blocks, x, replays, repeats=3)
+            except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory: skip it
+                print(f"#   skipped {config}: {type(exc).__name__}", file=sys.stderr)
+                timed[config] = float("inf")
+        return timed[config]
+
+    best = DEFAULT
+    gemvs = (False, True) if x.shape[0] <= SWEEP_GEMV_TOKENS else (False,)
+    for proj in ("gate_up", "down"):
+        base = best
+        shapes = [
+            replace(base, **{proj: tiles}, gemv=g if proj == "gate_up" else base.gemv)
+            for tiles in sweep_shapes()
+            for g in gemvs
+        ]
+        finalists = sorted(shapes, key=us)[:SWEEP_FINALISTS]
+        tried = [
+            replace(f, **{proj: tiles})
+            for f in finalists
+            for tiles in sweep_schedules(getattr(f, proj))
+        ]
+        best = min([base, *tried], key=us)
+    return best, us(best), us(DEFAULT)
 
 
 def main() -> None:
@@ -58,7 +121,10 @@ def main() -> None:
     ap.add_argument("--decode-gemv-tokens", type=int, default=None)
     ap.add_argument("--layers", type=int, default=8, help="blocks (1.2 GB each for the preset)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time the decode path's configurations")
     args = ap.parse_args()
+    if any(t < 1 for t in args.tokens):
+        raise SystemExit("--tokens must be >= 1")
     device, dtype = torch.device("cuda"), torch.bfloat16
     cfg = preset_config(args.model.removeprefix("random:"))
     moe = cfg.moe
@@ -78,6 +144,17 @@ def main() -> None:
         f"top-{moe.top_k}, hidden {cfg.hidden_size}; {torch.cuda.get_device_name(device)}, "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.layers} layers a graph"
     )
+    if args.sweep:
+        print("# DECODE_CONFIGS rows (most tokens, config), best per step size:")
+        for t in args.tokens:
+            x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+            for b in blocks:
+                b.impl = "decode"
+            config, best_us, default_us = sweep(blocks, x, args.replays)
+            print(
+                f"    ({t}, {config}),  # {best_us:.1f} µs vs {default_us:.1f} default", flush=True
+            )
+        return
     print("| T | path | µs / layer | experts read | expert GB/s | % of copy bandwidth |")
     print("|---:|---|---:|---:|---:|---:|")
     for t in args.tokens:

@@ -68,7 +68,8 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """What a model's attention layers call. Invariants: `forward` writes this step's k, v
-    at `meta.slot_mapping` and then attends; it never syncs with the host; with
+    at `meta.slot_mapping` (unless `kv_stored`: the caller's fused prologue, ops.py, has
+    already written them there) and then attends; it never syncs with the host; with
     `supports_cuda_graphs`, a decode-only `forward` over persistent metadata buffers may be
     captured once per batch shape and replayed with new values in the same buffers."""
 
@@ -84,6 +85,7 @@ class AttentionBackend(Protocol):
         cache: torch.Tensor,  # one layer, KVLayout
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor: ...  # [T, H, D]
 
 
@@ -181,8 +183,10 @@ class TorchPagedAttention:
         cache: torch.Tensor,  # [2, N_blocks, block_size, H_kv, D]
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, H, D]
-        write_kv(cache, k, v, meta.slot_mapping)
+        if not kv_stored:
+            write_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if self.cpu_kernels and cache.device.type == "cpu":
             return attention_cpu.forward(q, cache, meta, scale, out)

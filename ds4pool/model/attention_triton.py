@@ -4,7 +4,9 @@ Decode-only steps (one query per sequence) use the split-K decode kernel; every 
 (prompt chunks, mixed with decodes) uses the varlen prefill kernel, which reads the cached
 prefix from the blocks in place, split-K over the keys when its live query tiles would leave
 SMs idle (a short chunk or a few decode rows over a long context). K/V are written by slot
-mapping (one fused kernel for both) before either kernel runs. Both kernels size their grids
+mapping before either kernel runs: by the Llama family's fused attention prologue
+(kernels/triton_prologue.py, with q/k norm and RoPE, through TritonOps), else here (one
+fused kernel for both). Both kernels size their grids
 from tensor shapes only (a captured mixed step fixes the prefill split-K factor in its
 metadata), so decode and mixed steps over persistent buffers can be captured in CUDA graphs
 (ds4pool/model/cuda_graphs.py) and replayed with new values.
@@ -69,8 +71,10 @@ class TritonPagedAttention:
         cache: torch.Tensor,  # [2, N + 1, bs, H_kv, D]
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,  # the fused prologue (TritonOps) wrote k, v already
     ) -> torch.Tensor:  # [T, H, D]
-        self._store_kv(cache, k, v, meta.slot_mapping)
+        if not kv_stored:
+            self._store_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_only:
             self._k.paged_decode(

@@ -69,10 +69,12 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = ops.rms_norm(self.q_norm, q), ops.rms_norm(self.k_norm, k)
-        q, k = ops.rotary(q, k, rope)
-        out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T, H, D]
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        # norms + RoPE, and on the Triton path the KV store too (one launch): kv_stored
+        q, k, stored = ops.attention_prologue(
+            q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
+        )
+        out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -99,10 +101,16 @@ class LlamaDecoderLayer(nn.Module):
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(next_norm(residual'), residual') where residual' is the stream after this layer:
-        each residual add is fused with the norm that reads it."""
+        each residual add is fused with the norm that reads it (a sparse MLP's, on the
+        Triton decode path, with the experts' combine too: SparseMoeBlock.add_norm)."""
         a = self.self_attn(h, rope, cache, meta, ops)
         residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
-        residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        fused = None
+        if isinstance(self.mlp, SparseMoeBlock):
+            fused = self.mlp.add_norm(h, residual, next_norm, ops)
+        if fused is None:
+            fused = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        residual, h = fused
         return h, residual
 
 

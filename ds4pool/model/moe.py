@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ds4pool.model.config import MoEConfig
-from ds4pool.model.layers import GatedMLP
+from ds4pool.model.layers import GatedMLP, RMSNorm
 from ds4pool.model.routers import route
+
+if TYPE_CHECKING:  # kernels/ stays unimported at module level (triton is CUDA-only)
+    from ds4pool.model.kernels.triton_moe_configs import DecodeConfig
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] gate|up → [R, I]
 
@@ -241,26 +244,57 @@ class SparseMoeBlock(nn.Module):
         self.impl = "auto"  # one of EXPERT_IMPLS (benchmarks compare them)
         self.decode_max_pairs = DECODE_MAX_PAIRS  # where "auto" switches to grouped GEMMs
         self.decode_gemv_tokens: int | None = None  # None: the decode kernels' own default
+        # the decode kernels' launch configuration (triton_moe_configs.DecodeConfig); None:
+        # their table by token count (bench/moe_layer.py --sweep sets candidates here)
+        self.decode_config: DecodeConfig | None = None
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
             self.shared_experts.fuse()
 
-    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        pairs = x.shape[0] * self.gate.moe.top_k
-        if expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs) == "decode":
-            from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(residual', norm(residual')) with residual' = residual + self(x), the combine,
+        the add and the norm in one launch (updating `residual` in place, as TritonOps'
+        add_rms_norm does), where the step takes the decode kernels on the Triton path and
+        there are no shared experts; None elsewhere: the caller runs forward and the norm."""
+        if getattr(ops, "name", None) != "triton" or self.shared_experts is not None:
+            return None
+        if not self._takes_decode(x):
+            return None
+        return residual, self._decode(x, residual, norm)
 
-            weights, ids, groups = self.gate.route_decode(x)
-            if self.observer is not None:
-                self.observer(ids)
-            out = decode_experts(x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens)
+    def _takes_decode(self, x: torch.Tensor) -> bool:
+        pairs = x.shape[0] * self.gate.moe.top_k
+        chosen = expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs)
+        return chosen == "decode"
+
+    def _decode(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+    ) -> torch.Tensor:
+        """The decode kernels' output; with `residual` and `norm`, norm(residual += it)."""
+        from ds4pool.model.kernels.triton_moe_decode import decode_experts
+
+        weights, ids, groups = self.gate.route_decode(x)
+        if self.observer is not None:
+            self.observer(ids)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        return decode_experts(
+            x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config,
+            residual=residual, norm_weight=None if norm is None else norm.weight,
+            eps=0.0 if norm is None else norm.eps,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
+        if self._takes_decode(x):
+            out = self._decode(x)
         else:
             weights, ids = self.gate(x)
             if self.observer is not None:
                 self.observer(ids)
             act = silu_mul if ops is None else ops.silu_mul
+            gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
             out = experts_forward(x, weights, ids, gate_up, down, act, self.impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ops)

@@ -43,6 +43,25 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def attention_prologue(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, H_kv, D]
+        v: torch.Tensor,  # [T, H_kv, D]
+        rope: Any,  # from self.rope
+        cache: torch.Tensor,  # the layer's KV cache (KVLayout)
+        slots: torch.Tensor,  # [T] meta.slot_mapping
+        q_norm: RMSNorm | None = None,  # with k_norm: Qwen3's per-head norms
+        k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(q, k, kv_stored): q and k normalised (if norms are given) and rotated; kv_stored
+        says whether k and v are already in the cache at `slots` (else the attention backend
+        stores them, as it does here)."""
+        if q_norm is not None and k_norm is not None:
+            q, k = self.rms_norm(q_norm, q), self.rms_norm(k_norm, k)
+        q, k = self.rotary(q, k, rope)
+        return q, k, False
+
 
 class TritonOps(TorchOps):
     """Fused kernels; in-place where the reference makes a new tensor nobody else reads."""
@@ -50,9 +69,10 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self) -> None:
-        from ds4pool.model.kernels import triton_fused
+        from ds4pool.model.kernels import triton_fused, triton_prologue
 
         self._k = triton_fused
+        self._prologue = triton_prologue
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -66,7 +86,8 @@ class TritonOps(TorchOps):
         return residual, self._k.rms_norm(x, norm.weight, norm.eps, residual=residual)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
-        return positions, rotary.inv_freq  # cos/sin are computed inside the kernel
+        # cos/sin are computed inside the kernels
+        return positions, rotary.inv_freq, rotary.attention_factor
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
@@ -74,16 +95,48 @@ class TritonOps(TorchOps):
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, rope: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        positions, inv_freq = rope
-        t, h, d = q.shape
+        positions, inv_freq, factor = rope
         both = _adjacent_heads(q, k)
         if both is not None:  # q and k side by side in the qkv output: one launch
-            self._k.rotary_(both, positions, inv_freq)
+            self._k.rotary_(both, positions, inv_freq, factor)
         else:
             q, k = q.contiguous(), k.contiguous()
-            self._k.rotary_(q, positions, inv_freq)
-            self._k.rotary_(k, positions, inv_freq)
+            self._k.rotary_(q, positions, inv_freq, factor)
+            self._k.rotary_(k, positions, inv_freq, factor)
         return q, k
+
+    def attention_prologue(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Any,
+        cache: torch.Tensor,
+        slots: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        # one launch for norms + RoPE + KV store where the cache is the plain K/V layout;
+        # in place: q, k are views of the qkv projection's output, which nothing else reads
+        fusable = (
+            cache.dim() == 5
+            and cache.shape[0] == 2
+            and cache.is_contiguous()
+            and q.stride(2) == k.stride(2) == v.stride(2) == 1
+            # one eps for both norms (both are the config's rms_norm_eps)
+            and (q_norm is None or k_norm is None or q_norm.eps == k_norm.eps)
+        )
+        if not fusable:
+            return super().attention_prologue(q, k, v, rope, cache, slots, q_norm, k_norm)
+        positions, inv_freq, factor = rope
+        qw = kw = None
+        eps = 0.0
+        if q_norm is not None and k_norm is not None:
+            qw, kw, eps = q_norm.weight, k_norm.weight, q_norm.eps
+        self._prologue.norm_rope_store(
+            q, k, v, cache, positions, slots, inv_freq, qw, kw, eps, factor
+        )
+        return q, k, True
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

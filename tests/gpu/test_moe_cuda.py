@@ -89,6 +89,49 @@ def test_decode_path_matches_the_reference_loop(tokens: int, dtype: str) -> None
         assert rel_err(got.cpu(), truth) <= 1.25 * rel_err(looped.cpu(), truth) + 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_every_swept_decode_config_compiles_and_matches_the_loop(tokens: int) -> None:
+    """What bench/moe_layer.py --sweep may put in DECODE_CONFIGS, compiled for this GPU:
+    every tile shape, and every warps x stages of the largest (a config the GPU cannot fit
+    is skipped by the sweep, so here; all ~500 combinations would be minutes of compiles)."""
+    needs("decode")
+    from triton.runtime.errors import OutOfResources
+
+    from ds4pool.model.kernels.triton_moe_configs import (
+        DEFAULT,
+        SWEEP_GEMV_TOKENS,
+        DecodeConfig,
+        sweep_schedules,
+        sweep_shapes,
+    )
+    from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    from ds4pool.model.kernels.triton_moe_route import expert_groups
+
+    x, w, ids, gate_up, down = moe_inputs(tokens, e=64, k=8, h=512, i=192)
+    truth = looped_experts(x.double(), w, ids, gate_up.double(), down.double())
+    xs, gu, dn = (t.to(CUDA, torch.bfloat16) for t in (x, gate_up, down))
+    w, ids = w.to(CUDA), ids.to(CUDA)
+    bound = 1.25 * rel_err(looped_experts(xs, w, ids, gu, dn).cpu(), truth) + 1e-3
+    groups = expert_groups(ids, 64)
+    shapes = sweep_shapes()
+    tiles = set(shapes) | set(sweep_schedules(max(shapes, key=lambda t: (t.block_n, t.block_k))))
+    configs = [
+        c for t in tiles for c in (DecodeConfig(t, DEFAULT.down), DecodeConfig(DEFAULT.gate_up, t))
+    ]
+    if tokens <= SWEEP_GEMV_TOKENS:  # the sweep tries GEMV tiles there too
+        configs += [DecodeConfig(t, t, gemv=True) for t in shapes]
+    bad = {}
+    for config in sorted(configs, key=repr):
+        try:
+            got = decode_experts(xs, w, ids, groups, gu, dn, config=config)
+        except OutOfResources:
+            continue
+        err = rel_err(got.cpu(), truth)
+        if not err <= bound:
+            bad[repr(config)] = err
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 @pytest.mark.parametrize(
     ("router", "experts", "n_group", "topk_group"),

@@ -40,6 +40,92 @@ BLOCK_CASES: dict[str, tuple[str, int, str, int | None]] = {
 }
 
 
+# config cases: every tile shape the sweep tries (triton_moe_configs.sweep_shapes, both
+# projections at once, the split-K partial paths included) at one token (GEMV tiles) and
+# five (dot tiles), fp32
+CONFIG_TOKENS = (1, 5)
+
+
+def _config_cases() -> list[str]:
+    from ds4pool.model.kernels.triton_moe_configs import sweep_shapes
+
+    return [
+        f"config_t{t}_n{c.block_n}_k{c.block_k}_s{c.split_k}"
+        for t in CONFIG_TOKENS
+        for c in sweep_shapes()
+    ]
+
+
+def _config_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, ProjTiles
+    from ds4pool.model.moe import SparseMoeBlock
+
+    _, t, n, k, s = name.split("_")
+    tokens, tiles = int(t[1:]), ProjTiles(int(n[1:]), int(k[1:]), int(s[1:]))
+    # hidden 136, width 72: K strips that end mid-block, splits of unequal work (a split
+    # of a strip shorter than split x BLOCK_K has fewer programs: the down's from BLOCK_K
+    # 128 on, the gate_up's at 256, have one; the kernels' code is the same at every BLOCK_K)
+    moe = MoEConfig(6, 2, 72, "softmax_topk", (0,), norm_topk_prob=True)  # few programs
+    block = SparseMoeBlock(moe, 136)
+    gen = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    x = torch.randn(tokens, 136, generator=gen)
+    with torch.no_grad():
+        block.impl = "loop"
+        truth = block.double()(x.double())
+        block.impl = "decode"
+        block.decode_config = DecodeConfig(tiles, tiles)
+        block.decode_gemv_tokens = 1  # one token by GEMV, more by dot tiles
+        got = block.float()(x.float()).double()
+    return {"name": name, "rel": float((got - truth).abs().max() / truth.abs().max())}
+
+
+# fused norm case → down projection's split-K: decode_experts with the layer's residual add
+# and RMSNorm in the combine vs the plain combine followed by TritonOps.add_rms_norm
+NORM_CASES = {"combine_norm_s1": 1, "combine_norm_s2": 2}
+
+
+def _norm_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.kernels.triton_moe_configs import DEFAULT, DecodeConfig, ProjTiles
+    from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    from ds4pool.model.kernels.triton_moe_route import expert_groups
+    from ds4pool.model.layers import RMSNorm
+    from ds4pool.model.ops import TritonOps
+    from ds4pool.model.routers import route_softmax_topk
+
+    gen = torch.Generator().manual_seed(7)
+    t, e, k, hidden, inter = 3, 6, 2, 48, 136  # a non-power-of-two row (masked tail)
+    x = torch.randn(t, hidden, generator=gen)
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(e, hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = route_softmax_topk(torch.randn(t, e, generator=gen), k, True)
+    groups = expert_groups(ids, e)
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5, generator=gen)
+    config = DecodeConfig(DEFAULT.gate_up, ProjTiles(32, 64, NORM_CASES[name]))
+    residual = torch.randn(t, hidden, generator=gen)
+    plain = decode_experts(x, weights, ids, groups, gate_up, down, config=config)
+    want_res, want_h = TritonOps().add_rms_norm(norm, plain, residual.clone())
+    got_res = residual.clone()
+    got_h = decode_experts(
+        x, weights, ids, groups, gate_up, down, config=config, residual=got_res,
+        norm_weight=norm.weight.detach(), eps=norm.eps,
+    )  # fmt: skip
+    return {
+        "name": name,
+        "residual_equal": torch.equal(got_res, want_res),
+        "norm_err": float((got_h - want_h).abs().max()),
+        "moved": float((got_res - residual).abs().max()),
+    }
+
+
 def _router_case(name: str) -> dict[str, Any]:
     import torch
 
@@ -105,7 +191,7 @@ def _block_case(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    return interpreter_results(__file__, timeout=400)
+    return interpreter_results(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(ROUTER_CASES))
@@ -125,6 +211,23 @@ def test_decode_path_block_matches_the_reference_loop(results: dict[str, dict], 
     assert r["rel"] < r["tolerance"], r
 
 
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_combine_with_the_residual_add_and_norm(results: dict[str, dict], name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["moved"] > 0.1, "the residual must be updated in place"
+    assert r["residual_equal"], "residual + experts must round as the unfused add does"
+    assert r["norm_err"] < 1e-6, r
+
+
+def test_every_swept_config_matches_the_reference_loop(results: dict[str, dict]) -> None:
+    bad = {n: results[n].get("error") or results[n]["rel"] for n in _config_cases()}
+    bad = {n: r for n, r in bad.items() if not (isinstance(r, float) and r < 1e-5)}
+    assert not bad, bad
+
+
 if __name__ == "__main__":
     print_cases(ROUTER_CASES, _router_case)
     print_cases(BLOCK_CASES, _block_case)
+    print_cases(_config_cases(), _config_case)
+    print_cases(NORM_CASES, _norm_case)

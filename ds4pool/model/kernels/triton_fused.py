@@ -9,6 +9,8 @@ inside a CUDA graph. These kernels do each of those groups in one launch:
   updated residual stream is written back in place);
 - `rotary_`: rotate-half RoPE of q and k in place, cos/sin computed in fp32 from the
   positions and the inverse frequencies (no [T, D] tables);
+  (the Llama family's attention runs q/k norm + RoPE + the KV store as one launch instead:
+  triton_prologue.py; these stay for the paths that cannot, e.g. a non-contiguous cache);
 - `store_kv`: this step's k and v into the paged cache at their slots (one launch for both);
 - `silu_mul`: silu(gate) * up of the fused gate_up projection's output.
 
@@ -63,7 +65,7 @@ def rms_norm(
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, pos_ptr, inv_ptr, stride_t, stride_h, num_heads,
+    x_ptr, pos_ptr, inv_ptr, stride_t, stride_h, num_heads, factor,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -73,8 +75,8 @@ def _rotary_kernel(
     cmask = cols < HALF
     pos = tl.load(pos_ptr + t).to(tl.float32)
     freq = pos * tl.load(inv_ptr + cols, mask=cmask, other=0.0)  # [HALF_PAD] fp32
-    cos = tl.cos(freq)[None, :]
-    sin = tl.sin(freq)[None, :]
+    cos = (tl.cos(freq) * factor)[None, :]  # yarn's attention factor (1 for other kinds)
+    sin = (tl.sin(freq) * factor)[None, :]
     base = x_ptr + t * stride_t + heads[:, None] * stride_h + cols[None, :]
     m = (heads < num_heads)[:, None] & cmask[None, :]
     x1 = tl.load(base, mask=m, other=0.0)
@@ -85,8 +87,11 @@ def _rotary_kernel(
     tl.store(base + HALF, (x2 * c + x1 * s).to(dt), mask=m)
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
-    """x [T, H, D] rotated in place by position (rotate-half convention)."""
+def rotary_(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
+) -> None:
+    """x [T, H, D] rotated in place by position (rotate-half convention); cos and sin are
+    scaled by `attention_factor` as RotaryEmbedding scales them."""
     t, h, d = x.shape
     if t == 0:
         return
@@ -94,7 +99,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) ->
     block = min(16, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block))
     _rotary_kernel[grid](
-        x, positions, inv_freq, x.stride(0), x.stride(1), h, HALF=d // 2,
+        x, positions, inv_freq, x.stride(0), x.stride(1), h, attention_factor, HALF=d // 2,
         HALF_PAD=triton.next_power_of_2(d // 2), BLOCK=block, num_warps=2,
     )  # fmt: skip
 

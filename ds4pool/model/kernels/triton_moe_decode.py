@@ -6,8 +6,8 @@ GEMM path spends most of its time in ~15 small launches and in 16-row tiles that
 padding. Here a MoE layer is four launches after the router's linear:
 
     route    logits [T, E] → weights [T, k] f32, ids [T, k] i64, groups [G]   (triton_moe_route)
-    gate_up  h[pair] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)   grid (G, I / BLOCK_N)
-    down     y[pair] = h[pair] @ down[e].T                          grid (G, H / BLOCK_N)
+    gate_up  h[pair] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)   grid (G, I / BLOCK_N, S_gu)
+    down     y[pair] = h[pair] @ down[e].T                          grid (G, H / BLOCK_N, S_dn)
     combine  out[t] = Σ_j weights[t, j] · y[t·k + j]  (float32, slot order)   grid (T, H / BLOCK_N)
 
 G = min(E, R) is fixed by the shapes; `groups[g]` is the g-th distinct expert the step
@@ -20,6 +20,12 @@ rounded where the reference rounds its matmul outputs. The combine is a pass of 
 (not atomics) so that a token's sum has a fixed order: same result run to run and batch to
 batch. A step of one token multiplies by broadcasting (a GEMV), larger ones by tl.dot
 tiles padded to 16 rows (`GEMV_MAX_TOKENS`).
+
+Tiles, warps, stages and split-K come from a table by token count (triton_moe_configs.py).
+With split-K (S > 1) a projection's programs each reduce one strip of K and store float32
+partial sums; the next launch adds them in split order before it rounds as the reference
+does: the down kernel activates the gate_up partials as it loads them (h is not made), the
+combine adds the down partials. Still three launches, still deterministic.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels.triton_moe_combine import combine
+from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
 from ds4pool.model.kernels.triton_moe_route import pow2
 
 
@@ -58,10 +66,11 @@ def _rows_times_w(a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, groups_ptr, h_ptr, t, hidden, inter,
-    stride_x, stride_we, stride_wn, stride_h,
+    x_ptr, w_ptr, ids_ptr, groups_ptr, h_ptr, part_ptr, t, hidden, inter, k_chunk,
+    stride_x, stride_we, stride_wn, stride_h, stride_ps, stride_pr,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     expert = tl.load(groups_ptr + tl.program_id(0))
     if expert < 0:  # past the last distinct expert
@@ -73,7 +82,9 @@ def _gate_up_kernel(
     up = gate + inter * stride_wn
     acc_g = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    split = tl.program_id(2)  # this program's strip [split·k_chunk, (split + 1)·k_chunk) of H
+    k_lo = split * k_chunk
+    for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(
@@ -86,20 +97,33 @@ def _gate_up_kernel(
                                PRECISION)  # fmt: skip
         acc_u += _rows_times_w(a, tl.load(up + ks[None, :], mask=w_mask, other=0.0), USE_DOT,
                                PRECISION)  # fmt: skip
-    dt = h_ptr.dtype.element_ty
-    g = acc_g.to(dt).to(tl.float32)  # the reference rounds the gate_up matmul's output
+    keep = mine[:, None] & col_ok[None, :]
+    if SPLIT > 1:  # float32 partial sums [S, R, 2I]: the down kernel adds them and activates
+        part = part_ptr + split * stride_ps + pair[:, None].to(tl.int64) * stride_pr + cols[None, :]
+        tl.store(part, acc_g, mask=keep)
+        tl.store(part + inter, acc_u, mask=keep)
+    else:
+        dt = h_ptr.dtype.element_ty
+        out = h_ptr + pair[:, None].to(tl.int64) * stride_h + cols[None, :]
+        tl.store(out, _silu_mul_rounded(acc_g, acc_u, dt), mask=keep)
+
+
+@triton.jit
+def _silu_mul_rounded(acc_g, acc_u, dt: tl.constexpr):
+    """silu(g) * u in the activation dtype, g and u rounded to it first as the reference
+    rounds the gate_up matmul's output."""
+    g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
-    h = g / (1.0 + tl.exp(-g)) * u
-    out = h_ptr + pair[:, None].to(tl.int64) * stride_h + cols[None, :]
-    tl.store(out, h.to(dt), mask=mine[:, None] & col_ok[None, :])
+    return (g / (1.0 + tl.exp(-g)) * u).to(dt)
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, ids_ptr, groups_ptr, y_ptr, t, hidden, inter,
-    stride_h, stride_we, stride_wn, stride_y,
+    h_ptr, part_ptr, w_ptr, ids_ptr, groups_ptr, y_ptr, ypart_ptr, t, hidden, inter, k_chunk,
+    stride_h, stride_ps, stride_pr, stride_we, stride_wn, stride_y, stride_ys, stride_yr,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    GU_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     expert = tl.load(groups_ptr + tl.program_id(0))
     if expert < 0:
@@ -109,35 +133,36 @@ def _down_kernel(
     col_ok = cols < hidden
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    split = tl.program_id(2)
+    k_lo = split * k_chunk
+    for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(
-            h_ptr + pair[:, None].to(tl.int64) * stride_h + ks[None, :],
-            mask=mine[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        a_mask = mine[:, None] & k_ok[None, :]
+        if GU_SPLIT > 1:  # the gate_up's partial sums, added in split order, then activated
+            acc_g = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+            rows = part_ptr + pair[:, None].to(tl.int64) * stride_pr + ks[None, :]
+            for s in tl.static_range(GU_SPLIT):
+                acc_g += tl.load(rows + s * stride_ps, mask=a_mask, other=0.0)
+                acc_u += tl.load(rows + s * stride_ps + inter, mask=a_mask, other=0.0)
+            # in the activation dtype: the weights' (y is float32 partials under a split)
+            a = _silu_mul_rounded(acc_g, acc_u, w_ptr.dtype.element_ty)
+        else:
+            a = tl.load(
+                h_ptr + pair[:, None].to(tl.int64) * stride_h + ks[None, :],
+                mask=a_mask,
+                other=0.0,
+            )
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += _rows_times_w(a, w, USE_DOT, PRECISION)
-    out = y_ptr + pair[:, None].to(tl.int64) * stride_y + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mine[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _combine_kernel(
-    y_ptr, weights_ptr, out_ptr, hidden, stride_y, stride_o,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    tok = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < hidden
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order, as moe._combine
-        w = tl.load(weights_ptr + tok * TOP_K + j)
-        row = y_ptr + (tok * TOP_K + j).to(tl.int64) * stride_y
-        acc += w * tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
-    out = out_ptr + tok.to(tl.int64) * stride_o + cols
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    keep = mine[:, None] & col_ok[None, :]
+    if SPLIT > 1:  # float32 partials [S, R, H], summed by the combine
+        out = ypart_ptr + split * stride_ys + pair[:, None].to(tl.int64) * stride_yr + cols[None, :]
+        tl.store(out, acc, mask=keep)
+    else:
+        out = y_ptr + pair[:, None].to(tl.int64) * stride_y + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
 # Steps of up to this many tokens multiply by broadcasting (a GEMV per row); above, tl.dot
@@ -150,15 +175,23 @@ GEMV_MAX_TOKENS = 0
 
 
 def _tiles(
-    tokens: int, block_n: int, itemsize: int, gemv_max_tokens: int
+    tokens: int, block_n: int, itemsize: int, gemv_max_tokens: int, block_k: int | None = None
 ) -> tuple[int, int, int, bool]:
     """(BLOCK_T, BLOCK_N, BLOCK_K, tl.dot?) for a projection over `tokens` rows: GEMV tiles
-    of ~4K products (wide K strips for one row, narrower as rows grow), else dot tiles."""
+    of ~4K products (wide K strips for one row, narrower as rows grow), else dot tiles;
+    `block_k` (a config's) replaces the rule's K strip."""
     block_t = pow2(tokens)
     if tokens > gemv_max_tokens:
         block_t = max(16, block_t)
-        return block_t, block_n, 128 if itemsize <= 2 and block_t <= 32 else 64, True
-    return block_t, block_n, max(16, min(256, 4096 // (block_t * block_n))), False
+        rule = 128 if itemsize <= 2 and block_t <= 32 else 64
+        return block_t, block_n, block_k or rule, True
+    return block_t, block_n, block_k or max(16, min(256, 4096 // (block_t * block_n))), False
+
+
+def _strips(size: int, split: int, block_k: int) -> tuple[int, int]:
+    """(splits that have work, each one's strip of the reduction in whole BLOCK_Ks)."""
+    chunk = triton.cdiv(triton.cdiv(size, split), block_k) * block_k
+    return triton.cdiv(size, chunk), chunk
 
 
 def decode_experts(
@@ -168,43 +201,64 @@ def decode_experts(
     groups: torch.Tensor,  # [G] from route_topk / expert_groups
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
-    gemv_max_tokens: int | None = None,  # None: GEMV_MAX_TOKENS
+    gemv_max_tokens: int | None = None,  # None: GEMV_MAX_TOKENS (a config's gemv wins)
+    config: DecodeConfig | None = None,  # None: triton_moe_configs.config_for(T)
+    residual: torch.Tensor | None = None,  # [T, H]: fuse the layer's residual add + norm
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · down[e](silu·mul(gate_up[e] x[t])) for each token's k experts
-    e = ids[t, j]: three launches (gate_up, down, combine)."""
+    e = ids[t, j]: three launches (gate_up, down, combine), whatever the splits. With
+    `residual`, the combine also adds the sum into it (in place) and returns the RMSNorm of
+    the result by `norm_weight` (triton_moe_combine.py)."""
     t, hidden = x.shape
     experts, two_i, hidden_w = gate_up.shape
     k = ids.shape[1]
     inter = two_i // 2
     assert hidden == hidden_w and down.shape == (experts, hidden, inter), (x.shape, down.shape)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
+    assert gate_up.dtype == down.dtype == x.dtype, (x.dtype, gate_up.dtype, down.dtype)
     ids = ids.contiguous()
     weights = weights.contiguous()
     g = groups.numel()
-    out = torch.empty_like(x)
     if t == 0:
-        return out
-    h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
+        return torch.empty_like(x)
+    cfg = config or config_for(t)
+    gu, dn = cfg.gate_up, cfg.down
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     gemv_max_tokens = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
-    bt, bn, bk, dot = _tiles(t, 16, x.element_size(), gemv_max_tokens)
-    _gate_up_kernel[(g, triton.cdiv(inter, bn))](
-        x, gate_up, ids, groups, h, t, hidden, inter,
+    if cfg.gemv is not None:  # the table's row decides GEMV vs dot tiles for its step sizes
+        gemv_max_tokens = t if cfg.gemv else 0
+    bt, bn, bk, dot = _tiles(t, gu.block_n, x.element_size(), gemv_max_tokens, gu.block_k)
+    gu_split, gu_chunk = _strips(hidden, gu.split_k, bk)
+    if gu_split > 1:  # [S, R, 2I] float32 partials; h is not made
+        part = torch.empty((gu_split, t * k, two_i), dtype=torch.float32, device=x.device)
+        h = part  # unread
+    else:
+        h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+        part = h  # unread
+    _gate_up_kernel[(g, triton.cdiv(inter, bn), gu_split)](
+        x, gate_up, ids, groups, h, part, t, hidden, inter, gu_chunk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        part.stride(0), part.stride(1) if gu_split > 1 else 0,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, SPLIT=gu_split, num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
-    bt, bn, bk, dot = _tiles(t, 32, x.element_size(), gemv_max_tokens)
-    _down_kernel[(g, triton.cdiv(hidden, bn))](
-        h, down, ids, groups, y, t, hidden, inter,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+    bt, bn, bk, dot = _tiles(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
+    dn_split, dn_chunk = _strips(inter, dn.split_k, bk)
+    if dn_split > 1:
+        ypart = torch.empty((dn_split, t * k, hidden), dtype=torch.float32, device=x.device)
+        y = ypart  # unread
+    else:
+        y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
+        ypart = y  # unread
+    _down_kernel[(g, triton.cdiv(hidden, bn), dn_split)](
+        h, part, down, ids, groups, y, ypart, t, hidden, inter, dn_chunk,
+        h.stride(0), part.stride(0), part.stride(1) if gu_split > 1 else 0,
+        down.stride(0), down.stride(1), y.stride(0),
+        ypart.stride(0), ypart.stride(1) if dn_split > 1 else 0,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, GU_SPLIT=gu_split, SPLIT=dn_split, num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
     )  # fmt: skip
-    block_c = 256
-    _combine_kernel[(t, triton.cdiv(hidden, block_c))](
-        y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=k, BLOCK_N=block_c,
-        num_warps=4,
-    )  # fmt: skip
-    return out
+    return combine(ypart if dn_split > 1 else y, weights, x.dtype, residual, norm_weight, eps)

@@ -1,0 +1,95 @@
+"""Launch configurations of the MoE decode kernels (triton_moe_decode.py), by step size.
+
+At 1-8 tokens a decode step's expert kernels are bound by parallelism and by the loads a
+program keeps in flight, not by bandwidth (bench/moe_layer.py on the H200: one token's 8
+experts at 30% of the copy bandwidth, two tokens' 15 at 60%). What helps there is a launch
+question: the column tile (programs per expert), the K strip per load, warps and pipeline
+stages, and split-K over the reduction (more programs for the same bytes; the partial sums
+go to a float32 buffer that the next kernel adds up in a fixed order, so results stay
+deterministic, no atomics). That is a small table keyed by the step's token count, filled
+from one H200 run of `python3 bench/moe_layer.py --sweep` (it times `SWEEP` per token count
+and prints the best row of each).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProjTiles:
+    """One projection's launch: BLOCK_N output columns a program, BLOCK_K (None: the tile
+    rule of triton_moe_decode._tiles, by dtype and rows), split_k programs along the
+    reduction, and the compiler's num_warps / num_stages."""
+
+    block_n: int
+    block_k: int | None = None
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two >= 16, not {value}")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    gate_up: ProjTiles  # over the hidden size, silu·mul in its epilogue (or the down's prologue)
+    down: ProjTiles  # over the intermediate size; its split is summed by the combine
+    # GEMV tiles (broadcast products, one row a token) instead of tl.dot's 16-row tiles;
+    # None: by the kernels' GEMV_MAX_TOKENS (or the caller's gemv_max_tokens)
+    gemv: bool | None = None
+
+
+# The configuration before any sweep (the H200's numbers in docs/BENCHMARKS.md were measured
+# with it): 16 and 32 columns a program, no split.
+DEFAULT = DecodeConfig(ProjTiles(16), ProjTiles(32))
+
+# (most tokens, config): a step takes the first row that covers its token count, DEFAULT
+# past the last. Replace rows with the winners of `bench/moe_layer.py --sweep` on the target
+# GPU (each row is printed ready to paste).
+DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = ()
+
+
+def config_for(
+    tokens: int, table: tuple[tuple[int, DecodeConfig], ...] = DECODE_CONFIGS
+) -> DecodeConfig:
+    for most, config in table:
+        if tokens <= most:
+            return config
+    return DEFAULT
+
+
+# What the sweep tries for each projection (the other one at its DEFAULT while it does), in
+# two rounds to keep compiles few: the tile shapes at 4 warps and 3 stages (with GEMV and
+# with dot tiles up to SWEEP_GEMV_TOKENS tokens), then warps and stages for the best few.
+# Interpreter tests check every shape for correctness, GEMV and dot (warps and stages change
+# the compiled code only, not the result).
+SWEEP_BLOCK_N = (16, 32, 64)
+SWEEP_BLOCK_K = (64, 128, 256)
+SWEEP_SPLIT_K = (1, 2, 4)
+SWEEP_WARPS = (2, 4, 8)
+SWEEP_STAGES = (2, 3, 4)
+SWEEP_GEMV_TOKENS = 2
+
+
+def sweep_shapes() -> list[ProjTiles]:
+    """The first round: every tile shape at the default warps and stages."""
+    return [
+        ProjTiles(n, k, s)
+        for n, k, s in itertools.product(SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_SPLIT_K)
+    ]
+
+
+def sweep_schedules(shape: ProjTiles) -> list[ProjTiles]:
+    """The second round: one shape under each warps x stages."""
+    return [
+        ProjTiles(shape.block_n, shape.block_k, shape.split_k, w, st)
+        for w, st in itertools.product(SWEEP_WARPS, SWEEP_STAGES)
+    ]

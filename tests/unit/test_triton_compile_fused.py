@@ -1,0 +1,80 @@
+"""The fused decoder-layer kernels compile for an H100/H200 (sm_90) on a machine without a
+GPU (as tests/unit/test_triton_compile.py does for attention): the attention prologue, the
+MoE decode kernels in each split-K mode and the combine with the residual add + norm. The
+interpreter accepts code the compiler rejects (a name bound to tiles of two shapes in the
+two sides of a runtime branch, dtype constexprs passed down): this runs the real pipeline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs triton, compiled mode", allow_module_level=True)
+
+compiler = pytest.importorskip("triton.compiler")
+backend = pytest.importorskip("triton.backends.compiler")
+prologue = pytest.importorskip("ds4pool.model.kernels.triton_prologue")
+moe_decode = pytest.importorskip("ds4pool.model.kernels.triton_moe_decode")
+moe_combine = pytest.importorskip("ds4pool.model.kernels.triton_moe_combine")
+
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+SM90 = backend.GPUTarget("cuda", 90, 32)
+# pointer parameters by element type; the rest are bf16 (activations, weights, cache)
+I64_PTRS = {"pos_ptr", "slot_ptr", "ids_ptr", "groups_ptr"}
+F32_PTRS = {"inv_ptr", "part_ptr", "ypart_ptr", "weights_ptr"}
+F32_SCALARS = {"eps", "factor"}
+
+
+def compile_sm90(
+    fn: object, consts: dict, num_warps: int = 4, num_stages: int = 3, f32: frozenset = frozenset()
+) -> object:
+    """`f32`: more pointers that carry float32 in this launch (decode_experts passes its
+    partials buffer in place of an unused h or y)."""
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):  # type: ignore[attr-defined]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            float32 = p.name in F32_PTRS or p.name in f32
+            sig[p.name] = "*i64" if p.name in I64_PTRS else "*fp32" if float32 else "*bf16"
+        else:
+            sig[p.name] = "fp32" if p.name in F32_SCALARS else "i32"
+        if p.name.endswith("_ptr") and not p.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
+    return compiler.compile(
+        src, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+
+
+@pytest.mark.parametrize("norm, block_kv", [(True, 4), (False, 8)])  # Qwen3-30B-A3B, Llama-3-8B
+def test_prologue_compiles(norm: bool, block_kv: int) -> None:
+    consts = dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=block_kv, HAS_NORM=norm)
+    compile_sm90(prologue._prologue_kernel, consts)
+
+
+@pytest.mark.parametrize("split, dot", [(1, True), (2, True), (4, False)])  # dot or GEMV
+def test_moe_gate_up_compiles(split: int, dot: bool) -> None:
+    consts = dict(TOP_K=8, BLOCK_T=16 if dot else 1, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=128,
+                  USE_DOT=dot, PRECISION="tf32", SPLIT=split)  # fmt: skip
+    compile_sm90(
+        moe_decode._gate_up_kernel, consts, 4, 4, frozenset({"h_ptr"} if split > 1 else ())
+    )
+
+
+@pytest.mark.parametrize("gu_split, split", [(1, 1), (2, 1), (1, 4), (4, 2)])
+def test_moe_down_compiles(gu_split: int, split: int) -> None:
+    consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=64, USE_DOT=True,
+                  PRECISION="tf32", GU_SPLIT=gu_split, SPLIT=split)  # fmt: skip
+    f32 = ({"h_ptr"} if gu_split > 1 else set()) | ({"y_ptr"} if split > 1 else set())
+    compile_sm90(moe_decode._down_kernel, consts, 8, 2, frozenset(f32))
+
+
+@pytest.mark.parametrize("norm, split", [(False, 1), (True, 1), (True, 2)])
+def test_moe_combine_compiles(norm: bool, split: int) -> None:
+    consts = dict(TOP_K=8, BLOCK_N=2048 if norm else 256, SPLIT=split, NORM=norm)
+    compile_sm90(moe_combine._combine_kernel, consts, f32=frozenset({"y_ptr"} if split > 1 else ()))
