@@ -180,9 +180,7 @@ class Worker:
                 t_ready = time.perf_counter()
                 step_s = t_ready - prev.t0  # launch → results: the device's step, mostly
                 rows = _decode_rows(prev.step)
-                sched.pool.cost.observe_step(
-                    StepSample(sum(prev.step.counts) - rows, rows, step_s)
-                )
+                sched.pool.cost.observe_step(StepSample(sum(prev.step.counts) - rows, rows, step_s))
                 sched.finish_late()  # before advance: their rows of prev are discarded
                 pending = sched.advance(prev.step, out)
                 self.steps += 1
