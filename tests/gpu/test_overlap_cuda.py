@@ -36,32 +36,38 @@ def test_launch_then_wait_equals_step(loaded: LoadedModel) -> None:
         runner.launch(seqs)  # the first was not waited
 
 
+def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
+    e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", overlap=overlap), loaded=loaded)
+    assert e.worker.overlap is (overlap == "on")
+    try:
+        streams = [e.submit(r) for r in reqs]
+        out = []
+        for s in streams:
+            text, ids, final = s.collect(timeout=120)
+            assert final.error is None, final.error
+            out.append((text, ids, final.finish_reason, final.stop_string))
+        e.pool.check_integrity()
+        return out
+    finally:
+        e.close()
+
+
 def test_overlap_on_equals_off_on_cuda(loaded: LoadedModel) -> None:
     tok = loaded.tokenizer
     texts = [tok.apply_chat_template([{"role": "user", "content": f"job {i} " * (1 + 3 * i)}])
              for i in range(12)]  # fmt: skip
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
-    results = []
-    for overlap in ("off", "on"):
-        cfg = EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", overlap=overlap)
-        e = Engine(cfg, loaded=loaded)
-        assert e.worker.overlap is (overlap == "on")
-        try:
-            streams = [
-                e.submit(Request(session_id=f"{overlap}{i}", prompt_text=t, max_tokens=16 + i,
-                                 sampling=sampling, stop=("job 3",)))
-                for i, t in enumerate(texts)
-            ]  # fmt: skip
-            out = []
-            for s in streams:
-                text, ids, final = s.collect(timeout=120)
-                assert final.error is None, final.error
-                out.append((text, ids, final.finish_reason))
-            e.pool.check_integrity()
-        finally:
-            e.close()
-        results.append(out)
-    assert results[1] == results[0]
+
+    def reqs(stops: list[tuple[str, ...]]) -> list[Request]:
+        return [Request(prompt_text=t, max_tokens=16 + i, sampling=sampling, stop=stops[i])
+                for i, t in enumerate(texts)]  # fmt: skip
+
+    free = run(loaded, "off", reqs([()] * len(texts)))
+    # stop strings from the outputs themselves: found while the next step is in flight
+    stops = [(r[0][6:9],) if i % 2 == 0 and len(r[0]) > 9 else () for i, r in enumerate(free)]
+    off = run(loaded, "off", reqs(stops))
+    assert run(loaded, "on", reqs(stops)) == off
+    assert any(r[3] for r in off)  # some did end on a stop string
     e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="eager"), loaded=loaded)
     try:
         assert e.worker.overlap is True  # auto: on for CUDA
