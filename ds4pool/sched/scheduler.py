@@ -7,9 +7,10 @@ running and newly admitted requests, under `max_batch_tokens` and `max_batch_siz
 While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
 `prefill_cost`, a budget of work that counts their attention over the context
 (sched/prefill_cost.py): a step's length is set by its prefill work, and every decoder waits
-for the whole step. This module decides who runs, reserves blocks, preempts and writes back;
+for the whole step. This module decides who runs, reserves blocks, preempts and finishes;
 a waiting request is made ready by sched/admission.py, a step's rows are sized and assembled
-by sched/step.py.
+by sched/step.py, its results are written back by sched/writeback.py (in two halves, so the
+worker can overlap the second with the next step).
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 
 from ds4pool.errors import Ds4poolError, OutOfBlocksError
 from ds4pool.kv.lease import BlocksNeverFitError
@@ -34,18 +34,9 @@ from ds4pool.sched.queue import FairQueue
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
 from ds4pool.sched.step import Step
+from ds4pool.sched.writeback import Pending, Writeback
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
-
-
-@dataclass(frozen=True)
-class Pending:
-    """One row of a step advanced (counts, token accepted) and not settled yet."""
-
-    seq: Seq
-    token: int | None  # None: a prompt chunk that does not sample
-    first: bool  # its first token
-    gap: float  # seconds since its previous token (or its arrival, for the first)
 
 
 class Scheduler:
@@ -60,7 +51,6 @@ class Scheduler:
         self.pool = pool
         self.runner = runner
         self.tokenizer = runner.loaded.tokenizer
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.observer = observer or SchedulerObserver()
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
@@ -71,10 +61,9 @@ class Scheduler:
         self._seq_ids = itertools.count(1)  # identities for the runner's input batch
         self.pretokenizer = Pretokenizer(pool.text_resume, pool.prefetching)
         self.admission = Admission(cfg, pool, runner, self.observer, self._encode)
-        # the overlapped loop's deferred writeback (sched/worker.py): rows advanced and not
-        # settled yet, by seq_id; requests a stop string ended while a step was in flight
-        self._unsettled: dict[int, Pending] = {}
-        self._late: list[tuple[Seq, int]] = []
+        self.writeback = Writeback(
+            frozenset(self.tokenizer.eos_token_ids), self.observer, self._finish
+        )
 
     def close(self) -> None:
         """Stop the helper threads of stage 1 (after the worker has stopped)."""
@@ -181,7 +170,7 @@ class Scheduler:
                     return False
 
     def _preempt(self, seq: Seq) -> None:
-        if self._settle_first(seq):
+        if self.writeback.settle_first(seq):
             return
         assert seq.lease is not None
         self._sync_session(seq)
@@ -253,80 +242,21 @@ class Scheduler:
 
     # ------------------------------------------------------------ stage 4: writeback
 
+    # stage 4 is sched/writeback.py's; the worker calls these (the overlapped loop splits
+    # a step's writeback around the next launch: advance, schedule + launch, settle)
+
     def process(self, step: Step, out: StepOutput) -> None:
         """The whole writeback of a step, nothing in flight (the synchronous loop)."""
         self.settle(self.advance(step, out), in_flight=False)
 
     def advance(self, step: Step, out: StepOutput) -> list[Pending]:
-        """What the next schedule needs of a step's results: counts, tokens, the grammar,
-        end of sequence, max_tokens (a request that ends here is finished here, whole).
-        The rest of each row is returned for `settle`. Rows of requests no longer running
-        (finished by `finish_late`) are discarded."""
-        pending = []
-        for seq, n, token in zip(step.seqs, step.counts, out.sampled):
-            if seq.state is not State.RUNNING:
-                continue
-            seq.num_computed += n
-            assert seq.lease is not None
-            if token is None:
-                p = Pending(seq, None, False, 0.0)
-            else:
-                first = seq.first_token_at is None
-                prev = seq.last_token_at or seq.arrival
-                reason = seq.accept(token, self.eos_ids)
-                assert seq.last_token_at is not None
-                p = Pending(seq, token, first, seq.last_token_at - (seq.arrival if first else prev))
-                if reason is not None or seq.out_of_tokens:  # it ends here: nothing deferred
-                    self._settle(p, reason, in_flight=False)
-                    continue
-            self._unsettled[seq.seq_id] = p
-            pending.append(p)
-        return pending
+        return self.writeback.advance(step, out)
 
     def settle(self, pending: list[Pending], in_flight: bool) -> None:
-        """The rest of a step's writeback: KV offered for sharing, text, stop strings,
-        stream events, the observer. `in_flight`: the next step runs (it may hold these
-        requests): one found finished by a stop string ends after it (`finish_late`)."""
-        for p in pending:
-            if self._unsettled.pop(p.seq.seq_id, None) is p:
-                self._settle(p, None, in_flight)
-
-    def _settle(self, p: Pending, reason: str | None, in_flight: bool) -> None:
-        seq, token = p.seq, p.token
-        assert seq.lease is not None
-        # full blocks are shared as soon as they are computed: a prompt admitted next
-        # step finds the system prompt another request is still prefilling
-        seq.lease.offer(seq.prompt_ids, seq.output_ids, seq.num_computed)
-        if token is None:
-            return
-        if reason is None:
-            reason = seq.settle_text()
-        self.observer.token(seq, p.first, p.gap)
-        if reason == "error":  # the grammar rejected a sampled token: a masking bug
-            error = f"sampled token {token} is outside the output grammar"
-            self._finish(seq, "error", error=error, error_type="internal")
-        elif reason and in_flight:
-            self._late.append((seq, token))  # its lease and KV wait for the step in flight
-        elif reason:
-            self._finish(seq, reason, token_ids=(token,) if token not in self.eos_ids else ())
-        else:
-            seq.stream.push(seq.event((token,), None))
+        self.writeback.settle(pending, in_flight)
 
     def finish_late(self) -> None:
-        """Finish the requests `settle` found done while a step was in flight (that step
-        has been waited: nothing writes their blocks any more)."""
-        late, self._late = self._late, []
-        for seq, token in late:
-            if seq.state is State.RUNNING:
-                self._finish(seq, "stop", token_ids=(token,) if token not in self.eos_ids else ())
-
-    def _settle_first(self, seq: Seq) -> bool:
-        """Before a request is finished or preempted: settle its deferred writeback, as the
-        synchronous loop would have done already. True if that finished it."""
-        p = self._unsettled.pop(seq.seq_id, None)
-        if p is not None:
-            self._settle(p, None, in_flight=False)
-        return seq.state is State.FINISHED
+        self.writeback.finish_late()
 
     def fail(self, step: Step, exc: BaseException) -> None:
         """The step raised: every request in it fails and its session goes back to the
@@ -365,7 +295,7 @@ class Scheduler:
         token_ids: tuple[int, ...] = (),
         rollback: bool = False,
     ) -> None:
-        if self._settle_first(seq):
+        if self.writeback.settle_first(seq):
             return
         if seq.lease is not None:
             if rollback:

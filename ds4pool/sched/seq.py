@@ -88,15 +88,11 @@ class Seq:
         if self.req.constraint is not None:
             self.grammar = GrammarState(self.req.constraint, vocab_size)
 
-    def append(self, token: int, eos_ids: frozenset[int]) -> str | None:
-        """Record a sampled token; return a finish reason if the request is done ("error":
-        the output grammar rejects the token, which the mask should have prevented)."""
-        return self.accept(token, eos_ids) or self.settle_text()
-
     def accept(self, token: int, eos_ids: frozenset[int]) -> str | None:
-        """The part of `append` the next step's schedule needs: the grammar, end of
-        sequence, the token in output_ids. A finish reason, or None: then `settle_text`
-        must follow before the token's text is read."""
+        """Record a sampled token, the part the next step's build needs: the grammar, end
+        of sequence, the token in output_ids. A finish reason ("error": the output grammar
+        rejects the token, which the mask should have prevented), or None: then
+        `settle_text` must follow before the token's text is read."""
         now = time.monotonic()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
@@ -115,8 +111,8 @@ class Seq:
         return len(self.output_ids) >= self.max_tokens
 
     def settle_text(self) -> str | None:
-        """The rest of `append` for the last accepted token: its text, stop strings,
-        max_tokens."""
+        """The rest for the last accepted token: its text, stop strings, max_tokens; a
+        finish reason or None."""
         assert self.decoder is not None
         self.text += self.decoder.push(self.output_ids[-1])
         if self._stop_at() is not None:

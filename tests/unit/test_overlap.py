@@ -125,7 +125,7 @@ def test_eos_ends_the_same_in_both_loops(loaded: LoadedModel) -> None:
     runs = []
     for overlap in ("off", "on"):
         e = engine(loaded, overlap)
-        e.scheduler.eos_ids = frozenset({eos})
+        e.scheduler.writeback.eos_ids = frozenset({eos})
         try:
             runs.append(
                 run_all(
@@ -283,6 +283,7 @@ def test_no_request_ends_while_a_step_is_in_flight(loaded: LoadedModel) -> None:
         return finish(seq, reason, **kw)
 
     e.scheduler._finish = probe  # type: ignore[method-assign]
+    e.scheduler.writeback.finish = probe
     try:
         out = run_all(e, reqs)
     finally:
