@@ -167,7 +167,8 @@ def run(
         count = (
             decoding
             and decoded >= args.warmup
-            and all(len(s.output_ids) < args.warmup + args.steps - 1 for s in sched.running)
+            # none ends in this turn (with overlap the results lag a turn behind)
+            and all(s.max_tokens - len(s.output_ids) >= 3 for s in sched.running)
         )
         if count and prof is not None:
             prof.enable()
