@@ -159,7 +159,7 @@ class Worker:
         self.steps += 1
         self._idle_left = self._idle is not None  # the step may have left idle work
         # host work around the forward (planning + writeback): the device idles meanwhile,
-        # which is what an overlapped loop (plan step N+1 while step N runs) would win back
+        # which is what the overlapped loop (settle N while N+1 runs) wins back, in part
         host = (t0 - t_plan) + (time.perf_counter() - t1)
         sched.observer.step(len(step.seqs), sum(step.counts), t1 - t0, host)
 
