@@ -317,3 +317,20 @@ def test_overlap_flag_env_and_default(monkeypatch: pytest.MonkeyPatch, loaded: L
         assert e.worker.overlap is False
     finally:
         e.close()
+
+
+def test_runner_launch_then_wait_is_step(loaded: LoadedModel) -> None:
+    from ds4pool.model.runner import ModelRunner, SeqInput
+
+    runner = ModelRunner(loaded, num_blocks=16)
+    seqs = [
+        SeqInput(token_ids=[5 + i, 6, 7], num_computed=0, block_table=[i], sample=i != 1)
+        for i in range(3)
+    ]
+    ref = runner.step(seqs).sampled
+    assert ref[1] is None and ref[0] is not None and ref[2] is not None
+    launched = runner.launch(seqs)
+    with pytest.raises(AssertionError, match="waited"):
+        runner.launch(seqs)  # one step at a time: they share the input batch and readback
+    assert runner.wait(launched).sampled == ref
+    assert runner.step(seqs).sampled == ref  # waited: the next launch is fine
