@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -185,6 +186,10 @@ def run(
         _, ids, final = s.collect(timeout=60)
         assert final.error is None and len(ids) == args.warmup + args.steps, final
     e.close()
+    del e, worker, sched  # its device KV goes before the next run allocates its own
+    gc.collect()
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
     if prof is not None and phases.counted:
         print(f"\n## cProfile, N = {n}, {phases.counted} decode steps, overlap {overlap}\n")
         # the host's share: the forward's torch calls are not what this bench is about
@@ -234,11 +239,12 @@ def main() -> None:
     if args.kv_gb is None:
         per_token = loaded.config.kv_bytes_per_token(dtype.itemsize)
         need = max(args.batch) * (args.context + args.warmup + args.steps + 64) * per_token
-        args.kv_gb = 3 * need / 2**30 + 0.01  # admission counts shared prefix blocks once each
+        args.kv_gb = 1.5 * need / 2**30 + 0.01
     print(
         f"# host_step: model {args.model} on {device} {args.dtype}, context {args.context}, "
         f"{args.steps} counted decode steps after {args.warmup}, phases in {args.clock} time; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
     cols = ["schedule", "prep", "forward", "advance", "settle", "host", "step", "tok/s"]
     print("\n| overlap | N | " + " | ".join(cols) + " |")
