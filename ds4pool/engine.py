@@ -73,6 +73,9 @@ class EngineConfig:
     prefill_cost_scale: int | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
+    # write a step's results back while the device runs the next one (sched/worker.py):
+    # "auto" (on for CUDA, off elsewhere: on CPU the forward is host work, nothing overlaps)
+    overlap: str = "auto"
     no_batching: bool = False
     max_waiting: int = 1024
     max_waiting_per_tenant: int = 256
@@ -103,6 +106,8 @@ class EngineConfig:
             raise ValueError("max_prefill_cost must be >= 0 (0: no work cap)")
         if self.prefill_cost_scale is not None and self.prefill_cost_scale < 1:
             raise ValueError("prefill_cost_scale must be >= 1")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
@@ -121,6 +126,8 @@ class EngineConfig:
             if not self.lease_ttl_s > 0:
                 raise ValueError("lease_ttl_s must be > 0")
 
+
+OVERLAP_MODES = ("auto", "on", "off")
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
@@ -231,7 +238,8 @@ class Engine:
         )
         # graphs left out of the start-up capture (or missed by a step) are captured when idle
         idle = self.runner.capture_pending_graph if self.graph_capture is not None else None
-        self.worker = Worker(self.scheduler, cfg.coalesce_us, idle=idle)
+        overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and loaded.device.type == "cuda")
+        self.worker = Worker(self.scheduler, cfg.coalesce_us, idle=idle, overlap=overlap)
         self.worker.start()
         self._closed = False
         self._grammars: GrammarCache | None = None  # built on first use (imports xgrammar)

@@ -76,6 +76,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--overlap",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="write a step's results back while the device runs the next step "
+        "(auto: on for CUDA, off elsewhere)",
+    )
+    _flag(
+        g,
         "--no-batching",
         action="store_true",
         help="one request at a time, one live session (the serialized baseline)",
@@ -279,6 +287,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             prefill_cost_scale=args.prefill_cost_scale,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
+            overlap=args.overlap,
             no_batching=args.no_batching,
             attention_backend=args.attention_backend,
             cuda_graphs="eager" if args.no_cuda_graphs else args.cuda_graphs,

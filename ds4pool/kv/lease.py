@@ -57,6 +57,7 @@ class SessionLease:
         self._s = session
         self._released = False
         self._prepared: Prepared | None = None
+        self._view: TableView | None = None  # the last table(), reused while it holds
         self._prompt_text: str | None = None
         # the state prepare() left, for rollback(): tokens (KV for all) and their text
         self._rollback: tuple[list[int], str] = ([], "")
@@ -177,6 +178,8 @@ class SessionLease:
             s = self._live()
             assert s.tier is Tier.DEVICE and s.block_table is not None
             need = s.block_table.blocks_needed(num_tokens)
+            if need == 0 and s.block_table.epoch:  # the usual decode step: room already
+                return
             total = need + len(s.block_table.blocks)
             if total > p.blocks.num_blocks:
                 raise BlocksNeverFitError(
@@ -199,7 +202,12 @@ class SessionLease:
         with self._p.cond:
             t = self._live().block_table
             assert t is not None, "table() of a session off the device"
-            return TableView(list(t.blocks), t.epoch)
+            view = self._view
+            # a table only grows within an epoch: same epoch and length, same ids. A decode
+            # step must not copy its whole table every step (the view is read-only)
+            if view is None or view.epoch != t.epoch or len(view.block_ids) != len(t.blocks):
+                view = self._view = TableView(list(t.blocks), t.epoch)
+            return view
 
     def offer(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], num_computed: int

@@ -107,7 +107,9 @@ def stage_decode_rows(
     tables staged as diffs in `table_rows`."""
     ids, pos, slots, ctx = [], [], [], []
     for i, r in enumerate(rows):
-        table = r.block_table[: table_rows.max_blocks]  # blocks past the context: unused
+        table = r.block_table
+        if len(table) > table_rows.max_blocks:  # blocks past the context: unused (no copy
+            table = table[: table_rows.max_blocks]  # of every table every step otherwise)
         ids.append(r.token_id)
         pos.append(r.position)
         slots.append(table[r.position // block_size] * block_size + r.position % block_size)

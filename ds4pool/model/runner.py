@@ -2,7 +2,9 @@
 
 The contract with the layer above (scheduler, generate loop) is a list of `SeqInput`s
 (ids and counts, no tensors) in, a `StepOutput` out. One host sync per step: the
-readback of the sampled ids.
+readback of the sampled ids. `step` = `wait(launch(...))`: `launch` queues the device work
+and the readback, `wait` is the sync, so the worker can write back the step before while the
+device runs the next one (sched/worker.py, overlap).
 
 Two paths:
 - decode-only steps (one token per sequence) go through the persistent `InputBatch`,
@@ -51,7 +53,9 @@ class SeqInput:
     sample: bool = True  # False for a prompt chunk that is not the prompt's last
     sampling: SamplingParams = GREEDY
     seed: int = 0
-    output_token_ids: Sequence[int] = ()  # generated so far: penalties and RNG step
+    # generated so far: penalties and RNG step. Read only while the step is launched: the
+    # caller may append to it once `launch` has returned (the scheduler passes its live list)
+    output_token_ids: Sequence[int] = ()
     # Identity for the persistent input batch: the runner re-sends only the block ids past
     # those it holds for (seq_id, table_epoch); None re-sends the whole table every step.
     seq_id: int | None = None
@@ -68,6 +72,17 @@ class SeqInput:
 class StepOutput:
     sampled: list[int | None]  # per SeqInput; None where sample=False
     logits: torch.Tensor | None = None  # [num_sampled, V] float32, when asked for
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step launched and not yet waited: where its sampled ids will be."""
+
+    num_seqs: int
+    rows: list[int]  # indices of the SeqInputs that sample
+    sampled: torch.Tensor | None  # [R] int64: pinned host (CUDA, valid after the event), or CPU
+    event: torch.cuda.Event | None
+    logits: torch.Tensor | None
 
 
 def select_backend(
@@ -127,6 +142,8 @@ class ModelRunner:
         if set_backend is not None:
             set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())
         self.sampler = Sampler(self.device)
+        self._readback: torch.Tensor | None = None  # pinned [>= R] int64: sampled ids (CUDA)
+        self._launched = False  # a launched step not waited yet
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.batch = InputBatch(
             self.layout,
@@ -220,8 +237,16 @@ class ModelRunner:
             if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
                 raise ValueError(f"token id outside the vocabulary [0, {vocab})")
 
-    @torch.inference_mode()
     def step(self, seqs: Sequence[SeqInput], return_logits: bool = False) -> StepOutput:
+        return self.wait(self.launch(seqs, return_logits))
+
+    @torch.inference_mode()
+    def launch(self, seqs: Sequence[SeqInput], return_logits: bool = False) -> Launched:
+        """All of a step's device work up to the sampled ids and their copy to the host,
+        without waiting for it (on CUDA the host returns while the device runs; on CPU the
+        work is done here). Every launch must be waited before the next one: they share the
+        pinned readback buffer and the persistent input batch."""
+        assert not self._launched, "launch() before the previous step was waited"
         self.validate(seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
         decode = len(seqs) <= self.batch.max_rows and all(len(s.token_ids) == 1 for s in seqs)
@@ -235,7 +260,7 @@ class ModelRunner:
         else:
             logits = self._eager_logits(seqs, rows)
         if not rows:
-            return StepOutput(sampled=[None] * len(seqs))
+            return Launched(len(seqs), rows, None, None, None)
         logits = logits.float()  # [R, V]
         masked = [(j, m) for j, i in enumerate(rows) if (m := seqs[i].token_bitmask) is not None]
         if masked:  # out of place: logits may be a CUDA graph's static output buffer
@@ -246,11 +271,28 @@ class ModelRunner:
             [seqs[i].seed for i in rows],
             [seqs[i].output_token_ids for i in rows],
         )
-        sampled_ids = sampled_t.tolist()  # the one host sync of the step
-        out: list[int | None] = [None] * len(seqs)
-        for i, tok in zip(rows, sampled_ids):
-            out[i] = tok
-        return StepOutput(sampled=out, logits=logits if return_logits else None)
+        event = None
+        if self.device.type == "cuda":  # queue the readback now; wait() only syncs on it
+            if self._readback is None or self._readback.numel() < len(rows):
+                self._readback = torch.empty(max(len(rows), 64), dtype=torch.int64, pin_memory=True)
+            host = self._readback[: len(rows)]
+            host.copy_(sampled_t, non_blocking=True)
+            sampled_t = host
+            event = torch.cuda.Event()
+            event.record()
+        self._launched = True
+        return Launched(len(seqs), rows, sampled_t, event, logits if return_logits else None)
+
+    def wait(self, launched: Launched) -> StepOutput:
+        """The one host sync of a step: its sampled ids."""
+        self._launched = False
+        if launched.event is not None:
+            launched.event.synchronize()
+        out: list[int | None] = [None] * launched.num_seqs
+        if launched.sampled is not None:
+            for i, tok in zip(launched.rows, launched.sampled.tolist()):
+                out[i] = tok
+        return StepOutput(sampled=out, logits=launched.logits)
 
     def _decode_logits(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
         n = len(seqs)

@@ -7,9 +7,10 @@ running and newly admitted requests, under `max_batch_tokens` and `max_batch_siz
 While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
 `prefill_cost`, a budget of work that counts their attention over the context
 (sched/prefill_cost.py): a step's length is set by its prefill work, and every decoder waits
-for the whole step. This module decides who runs, reserves blocks, preempts and writes back;
+for the whole step. This module decides who runs, reserves blocks, preempts and finishes;
 a waiting request is made ready by sched/admission.py, a step's rows are sized and assembled
-by sched/step.py.
+by sched/step.py, its results are written back by sched/writeback.py (in two halves, so the
+worker can overlap the second with the next step).
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
@@ -33,6 +34,7 @@ from ds4pool.sched.queue import FairQueue
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
 from ds4pool.sched.step import Step
+from ds4pool.sched.writeback import Pending, Writeback
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
 
@@ -49,7 +51,6 @@ class Scheduler:
         self.pool = pool
         self.runner = runner
         self.tokenizer = runner.loaded.tokenizer
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.observer = observer or SchedulerObserver()
         self.lock = threading.Lock()
         self.wakeup = threading.Condition(self.lock)
@@ -60,6 +61,9 @@ class Scheduler:
         self._seq_ids = itertools.count(1)  # identities for the runner's input batch
         self.pretokenizer = Pretokenizer(pool.text_resume, pool.prefetching)
         self.admission = Admission(cfg, pool, runner, self.observer, self._encode)
+        self.writeback = Writeback(
+            frozenset(self.tokenizer.eos_token_ids), self.observer, self._finish
+        )
 
     def close(self) -> None:
         """Stop the helper threads of stage 1 (after the worker has stopped)."""
@@ -166,6 +170,8 @@ class Scheduler:
                     return False
 
     def _preempt(self, seq: Seq) -> None:
+        if self.writeback.settle_first(seq):
+            return
         assert seq.lease is not None
         self._sync_session(seq)
         seq.lease.demote(Tier.RAM, "preempt")  # it keeps the lease while it waits
@@ -236,27 +242,21 @@ class Scheduler:
 
     # ------------------------------------------------------------ stage 4: writeback
 
+    # stage 4 is sched/writeback.py's; the worker calls these (the overlapped loop splits
+    # a step's writeback around the next launch: advance, schedule + launch, settle)
+
     def process(self, step: Step, out: StepOutput) -> None:
-        for seq, n, token in zip(step.seqs, step.counts, out.sampled):
-            seq.num_computed += n
-            assert seq.lease is not None
-            # full blocks are shared as soon as they are computed: a prompt admitted next
-            # step finds the system prompt another request is still prefilling
-            seq.lease.offer(seq.prompt_ids, seq.output_ids, seq.num_computed)
-            if token is None:
-                continue
-            first = seq.first_token_at is None
-            prev = seq.last_token_at or seq.arrival
-            reason = seq.append(token, self.eos_ids)
-            assert seq.last_token_at is not None
-            self.observer.token(seq, first, seq.last_token_at - (seq.arrival if first else prev))
-            if reason == "error":  # the grammar rejected a sampled token: a masking bug
-                error = f"sampled token {token} is outside the output grammar"
-                self._finish(seq, "error", error=error, error_type="internal")
-            elif reason:
-                self._finish(seq, reason, token_ids=(token,) if token not in self.eos_ids else ())
-            else:
-                seq.stream.push(seq.event((token,), None))
+        """The whole writeback of a step, nothing in flight (the synchronous loop)."""
+        self.settle(self.advance(step, out), in_flight=False)
+
+    def advance(self, step: Step, out: StepOutput) -> list[Pending]:
+        return self.writeback.advance(step, out)
+
+    def settle(self, pending: list[Pending], in_flight: bool) -> None:
+        self.writeback.settle(pending, in_flight)
+
+    def finish_late(self) -> None:
+        self.writeback.finish_late()
 
     def fail(self, step: Step, exc: BaseException) -> None:
         """The step raised: every request in it fails and its session goes back to the
@@ -295,6 +295,8 @@ class Scheduler:
         token_ids: tuple[int, ...] = (),
         rollback: bool = False,
     ) -> None:
+        if self.writeback.settle_first(seq):
+            return
         if seq.lease is not None:
             if rollback:
                 seq.lease.rollback()

@@ -69,6 +69,16 @@ class Seq:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (a decode row's one token must not
+        cost a copy of its whole context every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
@@ -78,9 +88,11 @@ class Seq:
         if self.req.constraint is not None:
             self.grammar = GrammarState(self.req.constraint, vocab_size)
 
-    def append(self, token: int, eos_ids: frozenset[int]) -> str | None:
-        """Record a sampled token; return a finish reason if the request is done ("error":
-        the output grammar rejects the token, which the mask should have prevented)."""
+    def accept(self, token: int, eos_ids: frozenset[int]) -> str | None:
+        """Record a sampled token, the part the next step's build needs: the grammar, end
+        of sequence, the token in output_ids. A finish reason ("error": the output grammar
+        rejects the token, which the mask should have prevented), or None: then
+        `settle_text` must follow before the token's text is read."""
         now = time.monotonic()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
@@ -92,11 +104,20 @@ class Seq:
         elif token in eos_ids and not self.req.ignore_eos:
             return "stop"
         self.output_ids.append(token)
+        return None
+
+    @property
+    def out_of_tokens(self) -> bool:
+        return len(self.output_ids) >= self.max_tokens
+
+    def settle_text(self) -> str | None:
+        """The rest for the last accepted token: its text, stop strings, max_tokens; a
+        finish reason or None."""
         assert self.decoder is not None
-        self.text += self.decoder.push(token)
+        self.text += self.decoder.push(self.output_ids[-1])
         if self._stop_at() is not None:
             return "stop"
-        if len(self.output_ids) >= self.max_tokens:
+        if self.out_of_tokens:
             # out of tokens exactly where the grammar may end: the output is whole
             return "stop" if self.grammar is not None and self.grammar.completed else "length"
         return None

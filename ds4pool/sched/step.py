@@ -48,7 +48,7 @@ class Step:
         self.counts.append(n)
         self.inputs.append(
             SeqInput(
-                token_ids=seq.all_ids[start : start + n],
+                token_ids=seq.token_slice(start, start + n),
                 num_computed=start,
                 block_table=table.block_ids,
                 seq_id=seq.seq_id,
@@ -56,7 +56,9 @@ class Step:
                 sample=start + n == seq.num_tokens,
                 sampling=seq.req.sampling,
                 seed=seq.seed,
-                output_token_ids=list(seq.output_ids),
+                # the live list, not a copy per row and step: the runner reads it only while
+                # it launches this step, before the writeback appends to it (SeqInput)
+                output_token_ids=seq.output_ids,
                 token_bitmask=bitmask,
             )
         )

@@ -2,6 +2,17 @@
 
     wait for work → (coalesce window) → schedule → [engine lock] runner.step → writeback
 
+With `overlap` (the default on CUDA) the writeback is split around the next launch, so the
+host's slow part runs while the device computes (deferred writeback):
+
+    wait N → advance N → schedule N+1 → launch N+1 → settle N → wait N+1 → ...
+
+advance: counts, tokens, grammar, end of sequence, max_tokens (all the schedule needs);
+settle: detokenize, stop strings, stream events, lease.offer, the observer. A request that a
+stop string ends in settle N is already in step N+1: it is finished after N+1's sync and its
+N+1 row is discarded, so no lease is released and no KV moves while a step that writes it
+runs, and the tokens, text and sessions are those of the synchronous loop.
+
 Submissions take only the scheduler's queue lock, so they never wait on the device.
 A step that raises fails exactly its batch (sessions rolled back); the loop goes on.
 With no work, the loop runs `idle()` (one short piece of device work, e.g. a CUDA graph
@@ -15,11 +26,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ds4pool.kv.cost import StepSample
+from ds4pool.model.runner import Launched
 from ds4pool.sched.scheduler import Scheduler
+from ds4pool.sched.step import Step
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A step launched on the device and not waited yet."""
+
+    step: Step
+    launched: Launched
+    t0: float  # perf_counter at its launch
+    host: float  # host seconds from the previous step's results to this launch
 
 
 class Worker:
@@ -28,8 +52,11 @@ class Worker:
         scheduler: Scheduler,
         coalesce_us: int = 0,
         idle: Callable[[], bool] | None = None,
+        overlap: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        self.overlap = overlap
+        self._in_flight: InFlight | None = None
         self.coalesce_s = coalesce_us / 1e6
         self._idle = idle
         self._idle_left = idle is not None  # idle() may have work: call it when idle
@@ -54,22 +81,48 @@ class Worker:
         while True:
             with sched.wakeup:
                 idle = not sched.running
-                while not sched.has_work() and not self._stopping and not self._idle_left:
+                while not self.busy() and not self._stopping and not self._idle_left:
                     sched.wakeup.wait()
-                if self._stopping and not sched.has_work():
+                if self._stopping and not self.busy():
                     return
-                busy = sched.has_work()
+                busy = self.busy()
             if not busy:
                 self._run_idle()
                 continue
             if idle and self.coalesce_s > 0:
                 time.sleep(self.coalesce_s)  # let a burst of arrivals share the first step
             try:
-                self._step()
+                self.step_once()
             except Exception as exc:  # a bug must not kill the server nor hang its clients
                 log.exception("worker: unexpected error; failing the running requests")
+                self._drain()
                 sched.abort_running(exc)
                 time.sleep(0.01)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def busy(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def step_once(self) -> None:
+        """One turn of the loop: a whole step, or (overlap) wait one and launch the next."""
+        if self.overlap:
+            self._step_overlapped()
+        else:
+            self._step()
+
+    def _drain(self) -> None:
+        """Wait out a step in flight (its results are dropped): before the running requests
+        are failed, nothing may still write their blocks."""
+        inflight, self._in_flight = self._in_flight, None
+        if inflight is not None:
+            try:
+                self.scheduler.runner.wait(inflight.launched)
+            except Exception:
+                log.exception("worker: the step in flight failed as well")
+        self.scheduler.finish_late()
 
     def _run_idle(self) -> None:
         assert self._idle is not None
@@ -90,11 +143,8 @@ class Worker:
             with sched.wakeup:
                 sched.wakeup.wait(0.005)
             return
-        keys = [seq.lease.key for seq in step.seqs if seq.lease is not None]
-        assert len(set(keys)) == len(keys) == len(step.seqs), "a session twice in one batch"
-        # rows that decode one token; the rest of the step's tokens are prompt (or recomputed)
-        # KV: the prefill rate of the restore-vs-recompute decision (kv/cost.py)
-        rows = sum(1 for seq, n in zip(step.seqs, step.counts) if n == 1 and seq.output_ids)
+        _check_sessions(step)
+        rows = _decode_rows(step)
         t0 = time.perf_counter()
         try:
             with self.engine_lock:
@@ -109,6 +159,63 @@ class Worker:
         self.steps += 1
         self._idle_left = self._idle is not None  # the step may have left idle work
         # host work around the forward (planning + writeback): the device idles meanwhile,
-        # which is what an overlapped loop (plan step N+1 while step N runs) would win back
+        # which is what the overlapped loop (settle N while N+1 runs) wins back, in part
         host = (t0 - t_plan) + (time.perf_counter() - t1)
         sched.observer.step(len(step.seqs), sum(step.counts), t1 - t0, host)
+
+    def _step_overlapped(self) -> None:
+        sched = self.scheduler
+        prev, self._in_flight = self._in_flight, None
+        pending = None
+        t_ready = time.perf_counter()
+        if prev is not None:
+            try:
+                with self.engine_lock:
+                    out = sched.runner.wait(prev.launched)
+            except Exception as exc:  # a fault reported at the sync: fail that batch only
+                log.error("worker: step of %d requests failed: %s", len(prev.step.seqs), exc)
+                sched.finish_late()
+                sched.fail(prev.step, exc)
+            else:
+                t_ready = time.perf_counter()
+                step_s = t_ready - prev.t0  # launch → results: the device's step, mostly
+                rows = _decode_rows(prev.step)
+                sched.pool.cost.observe_step(StepSample(sum(prev.step.counts) - rows, rows, step_s))
+                sched.finish_late()  # before advance: their rows of prev are discarded
+                pending = sched.advance(prev.step, out)
+                self.steps += 1
+                self._idle_left = self._idle is not None
+                sched.observer.step(len(prev.step.seqs), sum(prev.step.counts), step_s, prev.host)
+        step = sched.schedule()
+        if step is not None:
+            _check_sessions(step)
+            t0 = time.perf_counter()
+            try:
+                with self.engine_lock:
+                    launched = sched.runner.launch(step.inputs)
+            except Exception as exc:  # on CPU the forward runs here: fail this batch only
+                log.error("worker: step of %d requests failed: %s", len(step.seqs), exc)
+                sched.fail(step, exc)
+            else:
+                # exposed host time, as the synchronous loop's: from the previous results to
+                # this launch (the runner's own prep is counted in neither)
+                self._in_flight = InFlight(step, launched, t0, t0 - t_ready)
+        if pending is not None:
+            sched.settle(pending, in_flight=self._in_flight is not None)
+        if self._in_flight is None:
+            sched.finish_late()  # nothing runs: a request a stop string ended ends now
+            if step is None and prev is None:
+                # Work exists but cannot run now (a busy session, no free blocks): poll.
+                with sched.wakeup:
+                    sched.wakeup.wait(0.005)
+
+
+def _decode_rows(step: Step) -> int:
+    """Rows that decode one token; the rest of the step's tokens are prompt (or recomputed)
+    KV: the prefill rate of the restore-vs-recompute decision (kv/cost.py)."""
+    return sum(1 for seq, n in zip(step.seqs, step.counts) if n == 1 and seq.output_ids)
+
+
+def _check_sessions(step: Step) -> None:
+    keys = [seq.lease.key for seq in step.seqs if seq.lease is not None]
+    assert len(set(keys)) == len(keys) == len(step.seqs), "a session twice in one batch"

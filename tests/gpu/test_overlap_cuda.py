@@ -1,0 +1,75 @@
+"""The overlapped loop on CUDA (the default there): launch returns before the device is done,
+and the engine's results equal the synchronous loop's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4pool.engine import Engine, EngineConfig
+from ds4pool.model.loader import LoadedModel, load_model
+from ds4pool.model.runner import ModelRunner, SeqInput
+from ds4pool.model.sampler import SamplingParams
+from ds4pool.sched.request import Request
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def loaded(demo_dir: Path) -> LoadedModel:
+    return load_model(str(demo_dir), torch.device("cuda"), torch.bfloat16)
+
+
+def test_launch_then_wait_equals_step(loaded: LoadedModel) -> None:
+    runner = ModelRunner(loaded, num_blocks=64, cuda_graphs="eager")
+    seqs = [SeqInput(token_ids=[5 + i, 6, 7, 8], num_computed=0, block_table=[2 * i, 2 * i + 1])
+            for i in range(4)]  # fmt: skip
+    ref = runner.step(seqs).sampled
+    launched = runner.launch(seqs)
+    assert launched.event is not None and launched.sampled is not None
+    assert launched.sampled.is_pinned()
+    assert runner.wait(launched).sampled == ref
+    with pytest.raises(AssertionError, match="waited"):
+        runner.launch(seqs)
+        runner.launch(seqs)  # the first was not waited
+
+
+def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
+    e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", overlap=overlap), loaded=loaded)
+    assert e.worker.overlap is (overlap == "on")
+    try:
+        streams = [e.submit(r) for r in reqs]
+        out = []
+        for s in streams:
+            text, ids, final = s.collect(timeout=120)
+            assert final.error is None, final.error
+            out.append((text, ids, final.finish_reason, final.stop_string))
+        e.pool.check_integrity()
+        return out
+    finally:
+        e.close()
+
+
+def test_overlap_on_equals_off_on_cuda(loaded: LoadedModel) -> None:
+    tok = loaded.tokenizer
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"job {i} " * (1 + 3 * i)}])
+             for i in range(12)]  # fmt: skip
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+
+    def reqs(stops: list[tuple[str, ...]]) -> list[Request]:
+        return [Request(prompt_text=t, max_tokens=16 + i, sampling=sampling, stop=stops[i])
+                for i, t in enumerate(texts)]  # fmt: skip
+
+    free = run(loaded, "off", reqs([()] * len(texts)))
+    # stop strings from the outputs themselves: found while the next step is in flight
+    stops = [(r[0][6:9],) if i % 2 == 0 and len(r[0]) > 9 else () for i, r in enumerate(free)]
+    off = run(loaded, "off", reqs(stops))
+    assert run(loaded, "on", reqs(stops)) == off
+    assert any(r[3] for r in off)  # some did end on a stop string
+    e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="eager"), loaded=loaded)
+    try:
+        assert e.worker.overlap is True  # auto: on for CUDA
+    finally:
+        e.close()
