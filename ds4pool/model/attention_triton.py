@@ -61,7 +61,9 @@ class TritonPagedAttention:
 
     def partition_size(self, batch: int, num_kv_heads: int, width_tokens: int) -> int:
         """Split-K partition for a decode launch (`decode_partition_size`)."""
-        return decode_partition_size(batch, num_kv_heads, width_tokens, self._sms)
+        return decode_partition_size(
+            batch, num_kv_heads, width_tokens, self._sms, self._k.SHORT_CONTEXT
+        )
 
     def forward(
         self,
@@ -89,6 +91,7 @@ class TritonPagedAttention:
                 partition_size=self.partition_size(
                     q.shape[0], k.shape[1], meta.block_tables.shape[1] * meta.block_size
                 ),
+                short_context=self._k.SHORT_CONTEXT,
             )
         else:
             assert meta.query_start is not None

@@ -40,6 +40,7 @@ class Case:
     # tokens with context 0 after it; real rows must not change, padding rows come out 0
     pad_rows: int = 0
     pad_tokens: int = 0
+    short_context: int = 0  # decode: rows up to this long stay one piece (the backend's 1,024)
 
     @property
     def tolerance(self) -> float:
@@ -48,6 +49,10 @@ class Case:
 
 
 CASES: dict[str, Case] = {
+    # rows of 300 and 20 keys beside a 2,000-key row: 256-key pieces split the long one only
+    "decode_short_rows_stay_whole": Case(
+        "decode", [300, 2000, 20, 0], partition_size=256, short_context=1024, workspace=True
+    ),
     # split-K: P = ceil(7 blocks * 16 / 32) = 4 partitions, ragged lengths, a padding row
     "decode_g1_d64_splitk": Case("decode", [1, 17, 40, 0, 100], heads=2, partition_size=32),
     "decode_g4_d128_splitk_tiles": Case(
@@ -162,7 +167,10 @@ def _run_case(name: str) -> dict:
             sliding_window=c.window, partition_size=c.partition_size,
             num_partitions=c.num_partitions,
             launch=ta.DecodeLaunch(block_n=c.block_n), workspace=workspace if c.workspace else None,
+            short_context=c.short_context,
         )  # fmt: skip
+        if c.short_context:
+            solo = _short_rows_solo_equal(c, case, q, out)
     elif c.pad_rows or c.pad_tokens:
         return _run_padded(name, c, case, q_lens)
     else:
@@ -180,7 +188,30 @@ def _run_case(name: str) -> dict:
         "tolerance": c.tolerance,
         "finite": bool(torch.isfinite(out).all()),
         "empty_zero": bool((out[empty_rows] == 0).all()) if empty_rows else True,
+        "short_rows_solo_equal": solo if c.kind == "decode" and c.short_context else None,
     }
+
+
+def _short_rows_solo_equal(c: Case, case: object, q: object, batched: object) -> bool:
+    """Each row of <= short_context keys, launched alone over its own narrow table (one piece,
+    no split), gives bit for bit what it gave in the wide split batch."""
+    import torch
+
+    from ds4pool.model.kernels import triton_attention as ta
+
+    same = True
+    for i, n in enumerate(c.context_lens):
+        if not 0 < n <= c.short_context:
+            continue
+        width = -(-n // c.block_size)
+        out = torch.full_like(batched[i : i + 1], float("nan"))
+        ta.paged_decode(
+            q[i : i + 1], case.cache[0], case.cache[1], case.block_tables[i : i + 1, :width],
+            case.context_lens[i : i + 1], case.scale, out, partition_size=width * c.block_size,
+            launch=ta.DecodeLaunch(block_n=c.block_n),
+        )  # fmt: skip
+        same = same and torch.equal(out, batched[i : i + 1])
+    return same
 
 
 def _run_padded(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
@@ -251,6 +282,7 @@ def test_kernel_matches_float64_oracle(results: dict[str, dict], name: str) -> N
     assert r["finite"], "an output element was left unwritten (NaN) or overflowed"
     assert r["empty_zero"], "rows with context 0 must come back as zeros"
     assert r["rel"] < r["tolerance"], r
+    assert r.get("short_rows_solo_equal") in (None, True), "a short row depends on its batch"
 
 
 if __name__ == "__main__":

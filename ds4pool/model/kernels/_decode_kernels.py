@@ -42,6 +42,7 @@ def decode_kernel(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
+    SHORT: tl.constexpr,
     FIXED_P: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
@@ -60,6 +61,9 @@ def decode_kernel(
     if FIXED_P:  # num_parts partitions per row, sized at run time from this row's context
         base = (lo // BLOCK_N) * BLOCK_N
         length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
+    elif SHORT > 0:  # a short row is one piece whatever the table width: batched == solo
+        if ctx <= SHORT:
+            length = SHORT
     # visible keys of this program: [max(p_start, lo), p_end)
     p_start = base + part * length
     p_end = tl.minimum(p_start + length, ctx)
@@ -124,6 +128,7 @@ def decode_reduce_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     PARTITION: tl.constexpr,
+    SHORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FIXED_P: tl.constexpr,
     P_CHUNK: tl.constexpr,
@@ -141,6 +146,9 @@ def decode_reduce_kernel(
     if FIXED_P:
         base = (lo // BLOCK_N) * BLOCK_N
         length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
+    elif SHORT > 0:
+        if ctx <= SHORT:
+            length = SHORT
     row = (b * H + h) * num_parts
     # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
     # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials

@@ -90,6 +90,8 @@ class PrefillLaunch:
 DEFAULT_DECODE = DecodeLaunch()
 DEFAULT_PREFILL = PrefillLaunch()
 DEFAULT_PARTITION = 512
+# The backend's `short_context`: a decode row of at most this many tokens is never split.
+SHORT_CONTEXT = 1024
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,13 @@ def paged_decode(
     num_partitions: int | None = None,
     launch: DecodeLaunch = DEFAULT_DECODE,
     workspace: DecodeWorkspace | None = None,
+    short_context: int = 0,
 ) -> None:
     """Attention of one query token per sequence over its paged context (split-K).
+
+    `short_context` (partition_size mode): a row of at most that many tokens is one piece
+    whatever the table width, so its result does not depend on the rows beside it (the
+    backend passes SHORT_CONTEXT; 0 splits every row by partition_size).
 
     By default the context splits into partitions of `partition_size` tokens, as many as the
     table width allows (P = ceil(max_blocks * bs / partition_size)). With `num_partitions`
@@ -179,6 +186,8 @@ def paged_decode(
         return
     g = n_heads // h_kv
     fixed_p = num_partitions is not None
+    short = short_context if not fixed_p and short_context > partition_size else 0
+    assert short % launch.block_n == 0, (short, launch.block_n)
     num_parts = decode_num_partitions(max_blocks, bs, partition_size)
     if num_partitions is not None:
         num_parts = num_partitions
@@ -203,7 +212,8 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_parts,
         H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
-        BLOCK_N=launch.block_n, PARTITION=partition_size, FIXED_P=fixed_p, SPLIT=num_parts > 1,
+        BLOCK_N=launch.block_n, PARTITION=partition_size, SHORT=short, FIXED_P=fixed_p,
+        SPLIT=num_parts > 1,
         USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
@@ -211,7 +221,7 @@ def paged_decode(
         return
     decode_reduce_kernel[(batch, n_heads)](
         part_out, part_lse, context_lens, out, window, out.stride(0), out.stride(1), num_parts,
-        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, BLOCK_N=launch.block_n,
+        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, SHORT=short, BLOCK_N=launch.block_n,
         FIXED_P=fixed_p, P_CHUNK=16,
         USE_WINDOW=window > 0, num_warps=4,
     )  # fmt: skip
