@@ -59,15 +59,17 @@ def async_copies(kernel: object) -> int:
 def test_decode_compiles_pipelined(split: bool, window: bool, fixed_p: bool) -> None:
     launch = ta.DEFAULT_DECODE
     consts = dict(H=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
-                  PARTITION=ta.DEFAULT_PARTITION, FIXED_P=fixed_p, SPLIT=split, USE_WINDOW=window,
+                  PARTITION=ta.DEFAULT_PARTITION, SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
+                  FIXED_P=fixed_p, SPLIT=split, USE_WINDOW=window,
                   PRECISION="tf32")  # fmt: skip
     kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
 
 
-def test_decode_reduce_compiles() -> None:
-    consts = dict(H=32, D=128, D_PAD=128, PARTITION=512, BLOCK_N=64, FIXED_P=True, P_CHUNK=16,
-                  USE_WINDOW=True)  # fmt: skip
+@pytest.mark.parametrize("fixed_p", [True, False])
+def test_decode_reduce_compiles(fixed_p: bool) -> None:
+    consts = dict(H=32, D=128, D_PAD=128, PARTITION=512, SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
+                  BLOCK_N=64, FIXED_P=fixed_p, P_CHUNK=16, USE_WINDOW=True)  # fmt: skip
     compile_sm90(dk.decode_reduce_kernel, consts, 4, 2)
 
 
