@@ -14,39 +14,27 @@ import os
 
 import pytest
 
+from tests import triton_compile
+
 if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs triton, compiled mode", allow_module_level=True)
 
 triton = pytest.importorskip("triton")
-compiler = pytest.importorskip("triton.compiler")
-backend = pytest.importorskip("triton.backends.compiler")
 ta = pytest.importorskip("ds4pool.model.kernels.triton_attention")
 dk = pytest.importorskip("ds4pool.model.kernels._decode_kernels")
 pk = pytest.importorskip("ds4pool.model.kernels._prefill_kernels")
 
+pytest.importorskip("triton.backends.compiler")  # the NVIDIA backend, to compile for sm_90
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-SM90 = backend.GPUTarget("cuda", 90, 32)
-INT_PTRS = {"tables_ptr", "lens_ptr", "qstart_ptr"}
-F32_PTRS = {"part_out_ptr", "part_lse_ptr"}
+POINTERS = {"tables_ptr": "*i32", "lens_ptr": "*i32", "qstart_ptr": "*i32"}
+POINTERS |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
 def compile_sm90(fn: object, consts: dict, num_warps: int, num_stages: int) -> object:
-    sig, attrs = {}, {}
-    for i, p in enumerate(fn.params):  # type: ignore[attr-defined]
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
-            sig[p.name] = (
-                "*i32" if p.name in INT_PTRS else "*fp32" if p.name in F32_PTRS else "*bf16"
-            )
-        else:
-            sig[p.name] = "fp32" if p.name == "scale_log2" else "i32"
-        aligned = p.name.endswith("_ptr") or p.name.startswith("stride")
-        if aligned and not p.do_not_specialize:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
-    opts = dict(num_warps=num_warps, num_stages=num_stages)
-    return compiler.compile(src, target=SM90, options=opts)
+    return triton_compile.compile_sm90(
+        fn, consts, num_warps, num_stages, pointers=POINTERS, f32_scalars={"scale_log2"},
+        align_strides=True,
+    )  # fmt: skip
 
 
 def async_copies(kernel: object) -> int:

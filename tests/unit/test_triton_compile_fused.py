@@ -12,21 +12,20 @@ import os
 
 import pytest
 
+from tests import triton_compile
+
 if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs triton, compiled mode", allow_module_level=True)
 
-compiler = pytest.importorskip("triton.compiler")
-backend = pytest.importorskip("triton.backends.compiler")
 prologue = pytest.importorskip("ds4pool.model.kernels.triton_prologue")
 moe_decode = pytest.importorskip("ds4pool.model.kernels.triton_moe_decode")
 moe_combine = pytest.importorskip("ds4pool.model.kernels.triton_moe_combine")
 
+pytest.importorskip("triton.backends.compiler")  # the NVIDIA backend, to compile for sm_90
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-SM90 = backend.GPUTarget("cuda", 90, 32)
 # pointer parameters by element type; the rest are bf16 (activations, weights, cache)
 I64_PTRS = {"pos_ptr", "slot_ptr", "ids_ptr", "groups_ptr"}
 F32_PTRS = {"inv_ptr", "part_ptr", "ypart_ptr", "weights_ptr"}
-F32_SCALARS = {"eps", "factor"}
 
 
 def compile_sm90(
@@ -34,20 +33,9 @@ def compile_sm90(
 ) -> object:
     """`f32`: more pointers that carry float32 in this launch (decode_experts passes its
     partials buffer in place of an unused h or y)."""
-    sig, attrs = {}, {}
-    for i, p in enumerate(fn.params):  # type: ignore[attr-defined]
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
-            float32 = p.name in F32_PTRS or p.name in f32
-            sig[p.name] = "*i64" if p.name in I64_PTRS else "*fp32" if float32 else "*bf16"
-        else:
-            sig[p.name] = "fp32" if p.name in F32_SCALARS else "i32"
-        if p.name.endswith("_ptr") and not p.do_not_specialize:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
-    return compiler.compile(
-        src, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages)
+    pointers = {name: "*i64" for name in I64_PTRS} | {name: "*fp32" for name in F32_PTRS | f32}
+    return triton_compile.compile_sm90(
+        fn, consts, num_warps, num_stages, pointers=pointers, f32_scalars={"eps", "factor"}
     )
 
 

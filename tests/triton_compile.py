@@ -1,0 +1,43 @@
+"""Compile a Triton kernel for an H100/H200 (sm_90) on a machine without a GPU: the real
+pipeline (not the interpreter, which accepts code the compiler rejects). The test modules that
+use it skip themselves where triton is absent or the interpreter is on."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+
+def compile_sm90(
+    fn: Any,
+    consts: dict[str, Any],
+    num_warps: int,
+    num_stages: int,
+    *,
+    pointers: Mapping[str, str],
+    f32_scalars: Collection[str] = (),
+    align_strides: bool = False,
+) -> Any:
+    """fn's parameters typed by name: constexprs from `consts`, `*_ptr` from `pointers` (a
+    Triton pointer type, "*bf16" where not named), scalars i32 unless in `f32_scalars`.
+    Pointers (and strides, with align_strides) that are specialised get 16-byte divisibility,
+    as launches with aligned tensors do."""
+    from triton import compiler
+    from triton.backends.compiler import GPUTarget
+
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = pointers.get(p.name, "*bf16")
+        else:
+            sig[p.name] = "fp32" if p.name in f32_scalars else "i32"
+        aligned = p.name.endswith("_ptr") or (align_strides and p.name.startswith("stride"))
+        if aligned and not p.do_not_specialize:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    return compiler.compile(
+        src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
