@@ -22,7 +22,7 @@ from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
 from ds4pool.sched.prefill_cost import DEFAULTS as PREFILL_COST
-from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.sched.prefill_cost import RATIO_DEFAULTS, PrefillCost
 from ds4pool.sched.queue import QueueConfig
 from ds4pool.sched.request import Request, RequestStream
 from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserver
@@ -71,6 +71,9 @@ class EngineConfig:
     # None: by device; 0: no work cap. prefill_cost_scale: K of that model, None: by device.
     max_prefill_cost: int | None = None
     prefill_cost_scale: int | None = None
+    # ... and at most this x the decoders' own work (compute-bound devices: a mixed step
+    # costs ~(1 + ratio) x a decode step); None: by device (CPU 0.5, CUDA/MPS off); 0: off.
+    prefill_decode_ratio: float | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
     no_batching: bool = False
@@ -103,6 +106,8 @@ class EngineConfig:
             raise ValueError("max_prefill_cost must be >= 0 (0: no work cap)")
         if self.prefill_cost_scale is not None and self.prefill_cost_scale < 1:
             raise ValueError("prefill_cost_scale must be >= 1")
+        if self.prefill_decode_ratio is not None and not self.prefill_decode_ratio >= 0:
+            raise ValueError("prefill_decode_ratio must be >= 0 (0: no relative cap)")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
@@ -143,7 +148,10 @@ def prefill_cost(
     if budget == 0:
         return None
     scale = cfg.prefill_cost_scale or scale
-    return PrefillCost(scale, budget, chunk_sizes)
+    ratio, row = RATIO_DEFAULTS.get(device.type, RATIO_DEFAULTS["cpu"])
+    if cfg.prefill_decode_ratio is not None:
+        ratio = cfg.prefill_decode_ratio
+    return PrefillCost(scale, budget, chunk_sizes, decode_ratio=ratio, decode_row=row)
 
 
 def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:

@@ -17,6 +17,15 @@ the step's length, and a 512-token chunk at a 16k context costs ~5x what it cost
 `chunk_sizes` (the runner's CUDA-graph chunk buckets) unless it is the prompt's last: a chunk
 between two buckets would be padded up to the larger one and cost it (only a step's first
 chunk: a step with several runs eagerly, unpadded).
+
+On a compute-bound device the budget is also relative to the step's decode work
+(`decode_ratio`, 0 = off): while D sequences decode at contexts c_i, the prompt work is at
+most max(min_chunk, decode_ratio * decode_row * sum(1 + c_i / K)), so a mixed step costs at
+most ~(1 + decode_ratio) x the decode step it joins. `decode_row` is what one decode row costs
+in prompt token-equivalents on that device: on CPU a decode row reads its whole context's KV
+for one query while a chunk's queries share it, and a 16-decoder step at 3k contexts took as
+long as ~8.5 modelled units per row (bench/prefill_cap.py, docs/BENCHMARKS.md). On CUDA a
+decode step is memory-bound and a chunk nearly free up to hundreds of tokens: off there.
 """
 
 from __future__ import annotations
@@ -37,6 +46,16 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     "cpu": (4096, 112),
     "mps": (4096, 224),
 }
+# Per device type: (decode_ratio, decode_row). CPU: RATIO_CPU (set from the 16-agent runs
+# against llama-server, docs/BENCHMARKS.md); decode_row 8 from bench/prefill_cap.py (16
+# decoders at 3k: a 403 ms decode step, a 64-token chunk (110 units) +187 ms). CUDA: off (a
+# chunk of hundreds of tokens costs a decode step little, the absolute budget is the bound).
+# MPS: not measured, off.
+RATIO_DEFAULTS: dict[str, tuple[float, float]] = {
+    "cuda": (0.0, 1.0),
+    "cpu": (0.5, 8.0),
+    "mps": (0.0, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -45,11 +64,24 @@ class PrefillCost:
     budget: int  # token-equivalents of prompt work per step while others decode
     chunk_sizes: tuple[int, ...] = ()  # sizes that run unpadded, ascending; () = any
     min_chunk: int = 16  # a step's first chunk takes at least this much (progress)
+    decode_ratio: float = 0.0  # prompt work <= this x the decoders' work; 0: no relative cap
+    decode_row: float = 1.0  # one decode row's cost in prompt token-equivalents (device)
 
     def __post_init__(self) -> None:
         if self.context_scale < 1 or self.budget < 1:
             raise ValueError("prefill cost scale and budget must be >= 1")
+        if self.decode_ratio < 0 or self.decode_row <= 0:
+            raise ValueError("decode_ratio must be >= 0 and decode_row > 0")
         assert list(self.chunk_sizes) == sorted(self.chunk_sizes), self.chunk_sizes
+
+    def step_budget(self, decoder_contexts: list[int]) -> float:
+        """Prompt work for a step next to decoders whose KV holds these many tokens: the
+        absolute budget, lowered to decode_ratio x their work (not below min_chunk's cost at
+        no context: chunk() still lets a first chunk of min_chunk through at any context)."""
+        if not self.decode_ratio or not decoder_contexts:
+            return float(self.budget)
+        work = self.decode_row * sum(self.cost(c, 1) for c in decoder_contexts)
+        return min(float(self.budget), max(self.cost(0, self.min_chunk), self.decode_ratio * work))
 
     def cost(self, start: int, n: int) -> float:
         """Token-equivalents of tokens [start, start + n) of a prompt."""
