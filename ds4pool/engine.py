@@ -72,7 +72,7 @@ class EngineConfig:
     max_prefill_cost: int | None = None
     prefill_cost_scale: int | None = None
     # ... and at most this x the decoders' own work (compute-bound devices: a mixed step
-    # costs ~(1 + ratio) x a decode step); None: by device (CPU 0.5, CUDA/MPS off); 0: off.
+    # costs ~(1 + ratio) x a decode step); None: by device (off everywhere, measured); 0: off.
     prefill_decode_ratio: float | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
@@ -129,7 +129,11 @@ class EngineConfig:
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
-PREFILL_TOKENS = {"cuda": 512, "cpu": 64, "mps": 128}  # mps: not measured yet
+# CPU: 512 as on CUDA, measured on the 16-agent workload (docs/BENCHMARKS.md, "Prompt work
+# relative to the decoders' work"): 64-token chunks made nearly every step a mixed one (the
+# ITL p50 was a mixed step) and the run took more steps in all (64 -> 512: ITL p50 -49%,
+# gen tok/s 2x in one run).
+PREFILL_TOKENS = {"cuda": 512, "cpu": 512, "mps": 128}  # mps: not measured yet
 
 
 def prefill_tokens(cfg: EngineConfig, device: torch.device) -> int:

@@ -64,7 +64,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         type=int,
         default=None,
-        help="prompt tokens per step while others decode (default: 512 on CUDA, 64 on CPU)",
+        help="prompt tokens per step while others decode (default: 512 on CUDA and CPU)",
     )
     _flag(g, "--max-batch-size", type=int, default=64, help="sequences per step")
     _flag(
@@ -93,7 +93,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompt work per step while others decode, in tokens weighted by their context "
-        "(1 + position / --prefill-cost-scale each; default: 896 on CUDA, 112 on CPU; 0: off)",
+        "(1 + position / --prefill-cost-scale each; default: 896 on CUDA and CPU; 0: off)",
     )
     _flag(
         g,
@@ -101,8 +101,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="while others decode, a step's prompt work is also at most this x the decoders' "
-        "own work, so a mixed step costs ~(1 + ratio) x a decode step (default: 0.5 on CPU, "
-        "off on CUDA/MPS; 0: off)",
+        "own work, so a mixed step costs ~(1 + ratio) x a decode step (e.g. 0.5 on CPU for "
+        "smoother decode at few sequences, slower prompts; default and 0: off)",
     )
     _flag(
         g,

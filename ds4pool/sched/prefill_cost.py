@@ -24,8 +24,8 @@ most max(min_chunk, decode_ratio * decode_row * sum(1 + c_i / K)), so a mixed st
 most ~(1 + decode_ratio) x the decode step it joins. `decode_row` is what one decode row costs
 in prompt token-equivalents on that device: on CPU a decode row reads its whole context's KV
 for one query while a chunk's queries share it, and a 16-decoder step at 3k contexts took as
-long as ~8.5 modelled units per row (bench/prefill_cap.py, docs/BENCHMARKS.md). On CUDA a
-decode step is memory-bound and a chunk nearly free up to hundreds of tokens: off there.
+long as ~8.5 modelled units per row (bench/prefill_cap.py, docs/BENCHMARKS.md). Off by
+default on every device (RATIO_DEFAULTS says why); the scheduler asks `step_budget`.
 """
 
 from __future__ import annotations
@@ -37,23 +37,28 @@ from dataclasses import dataclass
 # random:llama3-8b bf16 next to 8 decoders (a ~6 ms decode step; a 256 chunk 11.8 ms at a 2k
 # context, 19.1 ms at 16k; a 512 chunk ~16 ms at 2k, ~28 ms at 16k): 512-token chunks up to a
 # 2.8k context, 256 up to 10k, 128 up to 24k, so a mixed step stays within ~2.5-3x a decode
-# step and the agents workload (2-3k contexts) keeps its 512-token chunks. CPU: the demo model
-# on 2 cores (bench/prefill_cap.py, docs/BENCHMARKS.md: a 256-token chunk's CPU time grows
-# 1.8x from a 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); the budget keeps the
-# 64-token cap up to a ~2.9k context. MPS: not measured, the CPU's scaled to its 128 cap.
+# step and the agents workload (2-3k contexts) keeps its 512-token chunks. CPU: the same since
+# 2026-12-01 (it was 112 with a 64-token cap: a 256-token chunk's CPU time grows 1.8x from a
+# 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); small chunks made ~every step a
+# mixed one (so the ITL p50 was a mixed step), big ones make fewer, longer mixed steps and
+# fewer steps in all: ITL p50 -49%, gen tok/s 2x on the 16-agent workload in one run
+# (docs/BENCHMARKS.md, "Prompt work relative to the decoders' work"). MPS: the CPU's old
+# budget scaled to its 128 cap, not measured.
 DEFAULTS: dict[str, tuple[int, int]] = {
     "cuda": (4096, 896),
-    "cpu": (4096, 112),
+    "cpu": (4096, 896),
     "mps": (4096, 224),
 }
-# Per device type: (decode_ratio, decode_row). CPU: RATIO_CPU (set from the 16-agent runs
-# against llama-server, docs/BENCHMARKS.md); decode_row 8 from bench/prefill_cap.py (16
-# decoders at 3k: a 403 ms decode step, a 64-token chunk (110 units) +187 ms). CUDA: off (a
-# chunk of hundreds of tokens costs a decode step little, the absolute budget is the bound).
-# MPS: not measured, off.
+# Per device type: (decode_ratio, decode_row). decode_row on CPU: 8, from bench/prefill_cap.py
+# (16 decoders at 3k contexts: a 403 ms decode step, 27.7 modelled units; a 64-token chunk,
+# 110 units, adds 187 ms). The ratio is off by default everywhere: on CPU, measured on the
+# 16-agent workload (docs/BENCHMARKS.md, "Prompt work relative to the decoders' work"), 0.5
+# did not lower the ITL (the 16-row decode step itself is most of it) and starved prompts
+# whenever few sequences decoded while many waited (resumed TTFT 10x, tok/s -26%). CUDA: a
+# chunk of hundreds of tokens costs a decode step little; the absolute budget is the bound.
 RATIO_DEFAULTS: dict[str, tuple[float, float]] = {
     "cuda": (0.0, 1.0),
-    "cpu": (0.5, 8.0),
+    "cpu": (0.0, 8.0),
     "mps": (0.0, 1.0),
 }
 
