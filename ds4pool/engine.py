@@ -129,8 +129,8 @@ class EngineConfig:
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
-# CPU: 512 as on CUDA, measured on the 16-agent workload (docs/BENCHMARKS.md, "Prompt work
-# relative to the decoders' work"): 64-token chunks made nearly every step a mixed one (the
+# CPU: 512 as on CUDA, measured on the 16-agent workload (docs/BENCHMARKS.md, "CPU prefill next
+# to 16 decoders"): 64-token chunks made nearly every step a mixed one (the
 # ITL p50 was a mixed step) and the run took more steps in all (64 -> 512: ITL p50 -49%,
 # gen tok/s 2x in one run).
 PREFILL_TOKENS = {"cuda": 512, "cpu": 512, "mps": 128}  # mps: not measured yet

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 # 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); small chunks made ~every step a
 # mixed one (so the ITL p50 was a mixed step), big ones make fewer, longer mixed steps and
 # fewer steps in all: ITL p50 -49%, gen tok/s 2x on the 16-agent workload in one run
-# (docs/BENCHMARKS.md, "Prompt work relative to the decoders' work"). MPS: the CPU's old
+# (docs/BENCHMARKS.md, "CPU prefill next to 16 decoders"). MPS: the CPU's old
 # budget scaled to its 128 cap, not measured.
 DEFAULTS: dict[str, tuple[int, int]] = {
     "cuda": (4096, 896),
@@ -52,7 +52,7 @@ DEFAULTS: dict[str, tuple[int, int]] = {
 # Per device type: (decode_ratio, decode_row). decode_row on CPU: 8, from bench/prefill_cap.py
 # (16 decoders at 3k contexts: a 403 ms decode step, 27.7 modelled units; a 64-token chunk,
 # 110 units, adds 187 ms). The ratio is off by default everywhere: on CPU, measured on the
-# 16-agent workload (docs/BENCHMARKS.md, "Prompt work relative to the decoders' work"), 0.5
+# 16-agent workload (docs/BENCHMARKS.md, "CPU prefill next to 16 decoders"), 0.5
 # did not lower the ITL (the 16-row decode step itself is most of it) and starved prompts
 # whenever few sequences decoded while many waited (resumed TTFT 10x, tok/s -26%). CUDA: a
 # chunk of hundreds of tokens costs a decode step little; the absolute budget is the bound.
