@@ -411,7 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_variant,
         metavar="NAME=FLAGS",
         help="one more ds4pool server, ds4pool:NAME, with these serve flags, e.g. "
-        '--variant "main=--max-batch-size 64 --prefill-decode-ratio 0"; list it in --servers',
+        '--variant "main=--max-prefill-tokens 64 --max-prefill-cost 112"; list it in --servers',
     )
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--turns", type=int, default=4)
