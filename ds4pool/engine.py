@@ -129,11 +129,10 @@ class EngineConfig:
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
-# CPU: 512 as on CUDA, measured on the 16-agent workload (docs/BENCHMARKS.md, "CPU prefill next
-# to 16 decoders"): 64-token chunks made nearly every step a mixed one (the
-# ITL p50 was a mixed step) and the run took more steps in all (64 -> 512: ITL p50 -49%,
-# gen tok/s 2x in one run).
-PREFILL_TOKENS = {"cuda": 512, "cpu": 512, "mps": 128}  # mps: not measured yet
+# CPU: 512 (and a work cap of 896) was measured too (docs/BENCHMARKS.md, "CPU prefill next to
+# 16 decoders"): 2x tok/s on the smaller 16-agent workload, but on the full-size one no lower
+# ITL p50, a 2.2x p95 and resumed turns 1.5x later, so 64 stays.
+PREFILL_TOKENS = {"cuda": 512, "cpu": 64, "mps": 128}  # mps: not measured yet
 
 
 def prefill_tokens(cfg: EngineConfig, device: torch.device) -> int:

@@ -64,7 +64,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         type=int,
         default=None,
-        help="prompt tokens per step while others decode (default: 512 on CUDA and CPU)",
+        help="prompt tokens per step while others decode (default: 512 on CUDA, 64 on CPU)",
     )
     _flag(g, "--max-batch-size", type=int, default=64, help="sequences per step")
     _flag(
@@ -93,7 +93,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompt work per step while others decode, in tokens weighted by their context "
-        "(1 + position / --prefill-cost-scale each; default: 896 on CUDA and CPU; 0: off)",
+        "(1 + position / --prefill-cost-scale each; default: 896 on CUDA, 112 on CPU; 0: off)",
     )
     _flag(
         g,

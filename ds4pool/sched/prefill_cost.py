@@ -37,16 +37,14 @@ from dataclasses import dataclass
 # random:llama3-8b bf16 next to 8 decoders (a ~6 ms decode step; a 256 chunk 11.8 ms at a 2k
 # context, 19.1 ms at 16k; a 512 chunk ~16 ms at 2k, ~28 ms at 16k): 512-token chunks up to a
 # 2.8k context, 256 up to 10k, 128 up to 24k, so a mixed step stays within ~2.5-3x a decode
-# step and the agents workload (2-3k contexts) keeps its 512-token chunks. CPU: the same since
-# 2026-12-01 (it was 112 with a 64-token cap: a 256-token chunk's CPU time grows 1.8x from a
-# 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); small chunks made ~every step a
-# mixed one (so the ITL p50 was a mixed step), big ones make fewer, longer mixed steps and
-# fewer steps in all: ITL p50 -49%, gen tok/s 2x on the 16-agent workload in one run
-# (docs/BENCHMARKS.md, "CPU prefill next to 16 decoders"). MPS: the CPU's old
-# budget scaled to its 128 cap, not measured.
+# step and the agents workload (2-3k contexts) keeps its 512-token chunks. CPU: the demo model
+# on 2 cores (bench/prefill_cap.py, docs/BENCHMARKS.md: a 256-token chunk's CPU time grows
+# 1.8x from a 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); the budget keeps the
+# 64-token cap up to a ~2.9k context (512 / 896 as on CUDA: measured, not better at full size,
+# docs/BENCHMARKS.md "CPU prefill next to 16 decoders"). MPS: the CPU's scaled to its 128 cap.
 DEFAULTS: dict[str, tuple[int, int]] = {
     "cuda": (4096, 896),
-    "cpu": (4096, 896),
+    "cpu": (4096, 112),
     "mps": (4096, 224),
 }
 # Per device type: (decode_ratio, decode_row). decode_row on CPU: 8, from bench/prefill_cap.py

@@ -90,7 +90,7 @@ def test_the_relative_budget_is_opt_in_and_cpu_rows_weigh_8() -> None:
     assert cuda is not None and cuda.decode_ratio == 0
     assert cuda.step_budget([2000] * 16) == cuda.budget == 896  # as before this flag
     cpu = prefill_cost(EngineConfig(), torch.device("cpu"))
-    assert cpu is not None and cpu.step_budget([800] * 4) == cpu.budget == 896
+    assert cpu is not None and cpu.step_budget([800] * 4) == cpu.budget == 112
     half = prefill_cost(EngineConfig(prefill_decode_ratio=0.5), torch.device("cpu"))
     assert half is not None and (half.decode_ratio, half.decode_row) == (0.5, 8.0)
     assert half.step_budget([800] * 4) < half.budget / 2  # few decoders: a smaller chunk
@@ -110,10 +110,10 @@ def longest(start: int, work: float, k: int = 4096) -> int:
 
 @pytest.mark.parametrize("ratio", [1.0, 0.01])
 def test_chunks_next_to_decoders_follow_their_work(loaded: LoadedModel, ratio: float) -> None:
-    """CPU defaults (K 4096, a decode row = 8 units, token cap 512, work cap 896) with
+    """CPU defaults (K 4096, a decode row = 8 units, token cap 64, work cap 112) with
     --prefill-decode-ratio: next to 3 decoders a prompt's chunks are ~ratio x their work
-    (1.0: ~24 units, not the 256 tokens of max_batch_tokens the caps alone give); at 0.01
-    it still advances min_chunk (16) tokens a step; alone it takes max_batch_tokens."""
+    (1.0: ~24 units, not the 64 tokens the token cap alone gives); at 0.01 it still advances
+    min_chunk (16) tokens a step; alone it takes the whole max_batch_tokens."""
     decoders, length, gen = 3, 600, 2000
     cfg = EngineConfig(kv_device_gb=0.05, max_batch_tokens=256, prefill_decode_ratio=ratio)
     e = Engine(cfg, loaded=loaded)
@@ -154,4 +154,4 @@ def test_chunks_next_to_decoders_follow_their_work(loaded: LoadedModel, ratio: f
     lo = longest(length, ratio * 8 * decoders * (1 + 4 / 4096))
     hi = longest(0, ratio * 8 * decoders * (1 + (3 + gen) / 4096))
     assert body and all(lo <= n <= hi for n in body), (lo, hi, body)
-    assert hi < 40  # well under the 256 tokens without the relative budget
+    assert hi < 40  # well under the 64 tokens of the token cap alone

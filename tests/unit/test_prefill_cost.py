@@ -80,10 +80,10 @@ def test_a_later_chunk_in_the_step_takes_what_fits_unrounded() -> None:
 
 def test_cpu_default_keeps_the_token_cap_at_agent_contexts_and_shrinks_beyond() -> None:
     scale, budget = DEFAULTS["cpu"]
-    c = PrefillCost(scale, budget)  # no graph buckets on CPU: any chunk size
-    assert c.chunk(2800, 512, budget, first=True) == 512
-    n8k = c.chunk(8192, 512, budget, first=True)
-    assert 256 < n8k < 512 and c.cost(8192, n8k) <= budget < c.cost(8192, n8k + 1)
+    c = PrefillCost(scale, budget)
+    assert c.chunk(2800, 64, budget, first=True) == 64
+    n8k = c.chunk(8192, 64, budget, first=True)
+    assert 16 < n8k < 64 and c.cost(8192, n8k) <= budget < c.cost(8192, n8k + 1)
 
 
 def test_bad_settings_are_refused() -> None:
