@@ -12,6 +12,9 @@ Servers (each started as its own process on a free loopback port, CPU, float32):
                   the ds4-server behaviour);
   - transformers: `transformers serve --continuous-batching` with HF_HUB_OFFLINE=1 (needs
                   `pip install "transformers[serving]"`), pinned to the model directory;
+  - ds4pool:NAME: `ds4pool serve` with the extra flags of `--variant NAME="FLAGS"` (e.g.
+                  main's CPU defaults next to today's in one run); compared to the others
+                  like ds4pool;
   - llama-server: llama.cpp's server (`--llama-server`, default `llama-server` on PATH) on
                   `--gguf`, the same weights converted by llama.cpp's convert_hf_to_gguf.py,
                   `-np --llama-slots -t --threads -c slots*--llama-slot-ctx`. It ignores
@@ -39,6 +42,7 @@ and the combined plot (--plot, default <out>/agents_compare.png).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -83,10 +87,12 @@ def server_command(
     """(server argv, its environment, extra `bench agents` flags) for one server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS4POOL_")}
     common = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    if name in ("ds4pool", "no-batching"):
+    variants = dict(args.variant)
+    if name in ("ds4pool", "no-batching") or name in variants:
         argv = [sys.executable, "-m", "ds4pool", "serve", "--model", str(model_dir)]
         argv += ["--device", "cpu", "--dtype", "float32", "--kv-device-gb", str(args.kv_gb)]
         argv += ["--max-batch-tokens", str(args.max_batch_tokens), *common]
+        argv += shlex.split(variants.get(name, ""))
         return argv + (["--no-batching"] if name == "no-batching" else []), env, []
     if name == "llama-server":
         return llama_server_command(port, args), env, []
@@ -288,16 +294,18 @@ def _verdict(ok: bool) -> str:
 
 def targets(reports: list[dict[str, Any]]) -> list[str]:
     """The issue's targets at the largest N, as ratios of runs of the same round: resumed
-    TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server."""
+    TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server. Every
+    ds4pool variant (ds4pool:NAME) is compared like ds4pool."""
     by = {(r["server"], *_key(r)): r for r in reports}
     n = max(r["workload"]["agents"] for r in reports)
     rounds = sorted({r.get("round", 0) for r in reports})
+    ours = sorted({r["server"] for r in reports if r["server"].startswith("ds4pool")})
     lines = []
-    for other, ttft_goal, tps_goal, itl_goal in GOALS:
+    for mine, (other, ttft_goal, tps_goal, itl_goal) in itertools.product(ours, GOALS):
         pairs = [
-            _ratios(by[("ds4pool", n, k)], by[(other, n, k)])
+            _ratios(by[(mine, n, k)], by[(other, n, k)])
             for k in rounds
-            if ("ds4pool", n, k) in by and (other, n, k) in by
+            if (mine, n, k) in by and (other, n, k) in by
         ]
         if not pairs:
             continue
@@ -305,7 +313,7 @@ def targets(reports: list[dict[str, Any]]) -> list[str]:
 
         each = {m: ", ".join(f"{p[m]:.2f}" for p in pairs) for m in ("ttft", "tps", "itl")}
         text = (
-            f"N={n}, ds4pool vs {other} (median of {len(pairs)} round(s)): "
+            f"N={n}, {mine} vs {other} (median of {len(pairs)} round(s)): "
             f"resumed-turn TTFT p50 {med['ttft']:.1f}x better [{each['ttft']}] "
             f"(target >= {ttft_goal:g}x: {_verdict(med['ttft'] >= ttft_goal)}), "
             f"gen tok/s {med['tps']:.2f}x [{each['tps']}] "
@@ -390,7 +398,21 @@ def _decorate(axes: Any, n_max: int, ns: list[int]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-dir", type=Path, default=None, help="default: the demo model")
-    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=list(SERVERS),
+        help=f"any of {', '.join(SERVERS)} and the --variant names (ds4pool:NAME)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=_variant,
+        metavar="NAME=FLAGS",
+        help="one more ds4pool server, ds4pool:NAME, with these serve flags, e.g. "
+        '--variant "main=--max-prefill-tokens 64 --max-prefill-cost 112"; list it in --servers',
+    )
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=1000)
@@ -415,7 +437,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=Path("out/agents_compare"))
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    known = {*SERVERS, *(name for name, _ in args.variant)}
+    unknown = [s for s in args.servers if s not in known]
+    if unknown:
+        p.error(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
+    return args
+
+
+def _variant(text: str) -> tuple[str, str]:
+    """NAME=FLAGS -> ("ds4pool:NAME", FLAGS)."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS, got {text!r}")
+    return f"ds4pool:{name.strip()}", flags
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[int, int, str]]:

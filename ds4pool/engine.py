@@ -22,7 +22,7 @@ from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
 from ds4pool.sched.prefill_cost import DEFAULTS as PREFILL_COST
-from ds4pool.sched.prefill_cost import PrefillCost
+from ds4pool.sched.prefill_cost import RATIO_DEFAULTS, PrefillCost
 from ds4pool.sched.queue import QueueConfig
 from ds4pool.sched.request import Request, RequestStream
 from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserver
@@ -71,6 +71,9 @@ class EngineConfig:
     # None: by device; 0: no work cap. prefill_cost_scale: K of that model, None: by device.
     max_prefill_cost: int | None = None
     prefill_cost_scale: int | None = None
+    # ... and at most this x the decoders' own work (compute-bound devices: a mixed step
+    # costs ~(1 + ratio) x a decode step); None: by device (off everywhere, measured); 0: off.
+    prefill_decode_ratio: float | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
     # write a step's results back while the device runs the next one (sched/worker.py):
@@ -108,6 +111,8 @@ class EngineConfig:
             raise ValueError("prefill_cost_scale must be >= 1")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}")
+        if self.prefill_decode_ratio is not None and not self.prefill_decode_ratio >= 0:
+            raise ValueError("prefill_decode_ratio must be >= 0 (0: no relative cap)")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
@@ -131,6 +136,9 @@ OVERLAP_MODES = ("auto", "on", "off")
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
+# CPU: 512 (and a work cap of 896) was measured too (docs/BENCHMARKS.md, "CPU prefill next to
+# 16 decoders"): 2x tok/s on the smaller 16-agent workload, but on the full-size one no lower
+# ITL p50, a 2.2x p95 and resumed turns 1.5x later, so 64 stays.
 PREFILL_TOKENS = {"cuda": 512, "cpu": 64, "mps": 128}  # mps: not measured yet
 
 
@@ -150,7 +158,10 @@ def prefill_cost(
     if budget == 0:
         return None
     scale = cfg.prefill_cost_scale or scale
-    return PrefillCost(scale, budget, chunk_sizes)
+    ratio, row = RATIO_DEFAULTS.get(device.type, RATIO_DEFAULTS["cpu"])
+    if cfg.prefill_decode_ratio is not None:
+        ratio = cfg.prefill_decode_ratio
+    return PrefillCost(scale, budget, chunk_sizes, decode_ratio=ratio, decode_row=row)
 
 
 def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:

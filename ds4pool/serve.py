@@ -105,6 +105,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--prefill-decode-ratio",
+        type=float,
+        default=None,
+        help="while others decode, a step's prompt work is also at most this x the decoders' "
+        "own work, so a mixed step costs ~(1 + ratio) x a decode step (e.g. 0.5 on CPU for "
+        "smoother decode at few sequences, slower prompts; default and 0: off)",
+    )
+    _flag(
+        g,
         "--prefill-cost-scale",
         type=int,
         default=None,
@@ -285,6 +294,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             max_prefill_tokens=args.max_prefill_tokens,
             max_prefill_cost=args.max_prefill_cost,
             prefill_cost_scale=args.prefill_cost_scale,
+            prefill_decode_ratio=args.prefill_decode_ratio,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             overlap=args.overlap,

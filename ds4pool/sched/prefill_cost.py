@@ -17,6 +17,15 @@ the step's length, and a 512-token chunk at a 16k context costs ~5x what it cost
 `chunk_sizes` (the runner's CUDA-graph chunk buckets) unless it is the prompt's last: a chunk
 between two buckets would be padded up to the larger one and cost it (only a step's first
 chunk: a step with several runs eagerly, unpadded).
+
+On a compute-bound device the budget is also relative to the step's decode work
+(`decode_ratio`, 0 = off): while D sequences decode at contexts c_i, the prompt work is at
+most max(min_chunk, decode_ratio * decode_row * sum(1 + c_i / K)), so a mixed step costs at
+most ~(1 + decode_ratio) x the decode step it joins. `decode_row` is what one decode row costs
+in prompt token-equivalents on that device: on CPU a decode row reads its whole context's KV
+for one query while a chunk's queries share it, and a 16-decoder step at 3k contexts took as
+long as ~8.5 modelled units per row (bench/prefill_cap.py, docs/BENCHMARKS.md). Off by
+default on every device (RATIO_DEFAULTS says why); the scheduler asks `step_budget`.
 """
 
 from __future__ import annotations
@@ -31,11 +40,24 @@ from dataclasses import dataclass
 # step and the agents workload (2-3k contexts) keeps its 512-token chunks. CPU: the demo model
 # on 2 cores (bench/prefill_cap.py, docs/BENCHMARKS.md: a 256-token chunk's CPU time grows
 # 1.8x from a 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); the budget keeps the
-# 64-token cap up to a ~2.9k context. MPS: not measured, the CPU's scaled to its 128 cap.
+# 64-token cap up to a ~2.9k context (512 / 896 as on CUDA: measured, not better at full size,
+# docs/BENCHMARKS.md "CPU prefill next to 16 decoders"). MPS: the CPU's scaled to its 128 cap.
 DEFAULTS: dict[str, tuple[int, int]] = {
     "cuda": (4096, 896),
     "cpu": (4096, 112),
     "mps": (4096, 224),
+}
+# Per device type: (decode_ratio, decode_row). decode_row on CPU: 8, from bench/prefill_cap.py
+# (16 decoders at 3k contexts: a 403 ms decode step, 27.7 modelled units; a 64-token chunk,
+# 110 units, adds 187 ms). The ratio is off by default everywhere: on CPU, measured on the
+# 16-agent workload (docs/BENCHMARKS.md, "CPU prefill next to 16 decoders"), 0.5
+# did not lower the ITL (the 16-row decode step itself is most of it) and starved prompts
+# whenever few sequences decoded while many waited (resumed TTFT 10x, tok/s -26%). CUDA: a
+# chunk of hundreds of tokens costs a decode step little; the absolute budget is the bound.
+RATIO_DEFAULTS: dict[str, tuple[float, float]] = {
+    "cuda": (0.0, 1.0),
+    "cpu": (0.0, 8.0),
+    "mps": (0.0, 1.0),
 }
 
 
@@ -45,11 +67,24 @@ class PrefillCost:
     budget: int  # token-equivalents of prompt work per step while others decode
     chunk_sizes: tuple[int, ...] = ()  # sizes that run unpadded, ascending; () = any
     min_chunk: int = 16  # a step's first chunk takes at least this much (progress)
+    decode_ratio: float = 0.0  # prompt work <= this x the decoders' work; 0: no relative cap
+    decode_row: float = 1.0  # one decode row's cost in prompt token-equivalents (device)
 
     def __post_init__(self) -> None:
         if self.context_scale < 1 or self.budget < 1:
             raise ValueError("prefill cost scale and budget must be >= 1")
+        if self.decode_ratio < 0 or self.decode_row <= 0:
+            raise ValueError("decode_ratio must be >= 0 and decode_row > 0")
         assert list(self.chunk_sizes) == sorted(self.chunk_sizes), self.chunk_sizes
+
+    def step_budget(self, decoder_contexts: list[int]) -> float:
+        """Prompt work for a step next to decoders whose KV holds these many tokens: the
+        absolute budget, lowered to decode_ratio x their work (not below min_chunk's cost at
+        no context: chunk() still lets a first chunk of min_chunk through at any context)."""
+        if not self.decode_ratio or not decoder_contexts:
+            return float(self.budget)
+        work = self.decode_row * sum(self.cost(c, 1) for c in decoder_contexts)
+        return min(float(self.budget), max(self.cost(0, self.min_chunk), self.decode_ratio * work))
 
     def cost(self, start: int, n: int) -> float:
         """Token-equivalents of tokens [start, start + n) of a prompt."""

@@ -119,8 +119,9 @@ class Scheduler:
         )
         if step.seqs:  # someone decodes: prompt chunks share the smaller prefill budget
             budget = min(budget, self.cfg.max_prefill_tokens)
-            if self.cfg.prefill_cost is not None:
-                step.work_left = float(self.cfg.prefill_cost.budget)
+            if self.cfg.prefill_cost is not None:  # decoders' KV: before this step's token
+                contexts = [s.num_computed for s in step.seqs]
+                step.work_left = self.cfg.prefill_cost.step_budget(contexts)
         budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
         self._admit(step, budget)
         return step if step.seqs else None

@@ -26,6 +26,7 @@ class Step:
     counts: list[int]  # tokens computed per seq
     # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
     work_left: float | None = None
+    prompt_chunks: int = 0  # chunks sized under work_left so far (the first is rounded)
 
     def chunk_len(self, seq: Seq, budget: int, cost: PrefillCost | None) -> int:
         """Tokens of seq for this step: within the token budget and, for a prompt chunk next
@@ -33,9 +34,9 @@ class Step:
         n = min(seq.num_pending, budget)
         if self.work_left is None or cost is None or n <= 1:
             return n
-        first = self.work_left >= cost.budget
-        n = cost.chunk(seq.num_computed, n, self.work_left, first)
+        n = cost.chunk(seq.num_computed, n, self.work_left, self.prompt_chunks == 0)
         self.work_left -= cost.cost(seq.num_computed, n)
+        self.prompt_chunks += 1
         return n
 
     def add(self, seq: Seq, n: int, bitmask: torch.Tensor | None) -> None:

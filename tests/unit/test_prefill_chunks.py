@@ -45,6 +45,7 @@ def test_a_long_prompt_next_to_a_decoder_gets_shrinking_chunks(loaded: LoadedMod
         max_prefill_tokens=TOKEN_CAP,
         max_prefill_cost=BUDGET,
         prefill_cost_scale=SCALE,
+        prefill_decode_ratio=0,  # the absolute work cap alone (the relative one: below)
     )
     e = Engine(cfg, loaded=loaded)
     steps: list[tuple[int, int]] = []  # (sequences, tokens) per step
@@ -82,3 +83,75 @@ def test_device_defaults_and_off() -> None:
         EngineConfig(max_prefill_cost=-1)
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="sometimes")
+
+
+def test_the_relative_budget_is_opt_in_and_cpu_rows_weigh_8() -> None:
+    cuda = prefill_cost(EngineConfig(), torch.device("cuda"), (32, 64, 128, 256, 512))
+    assert cuda is not None and cuda.decode_ratio == 0
+    assert cuda.step_budget([2000] * 16) == cuda.budget == 896  # as before this flag
+    cpu = prefill_cost(EngineConfig(), torch.device("cpu"))
+    assert cpu is not None and cpu.step_budget([800] * 4) == cpu.budget == 112
+    half = prefill_cost(EngineConfig(prefill_decode_ratio=0.5), torch.device("cpu"))
+    assert half is not None and (half.decode_ratio, half.decode_row) == (0.5, 8.0)
+    assert half.step_budget([800] * 4) < half.budget / 2  # few decoders: a smaller chunk
+    on = prefill_cost(EngineConfig(prefill_decode_ratio=1.5), torch.device("cuda"))
+    assert on is not None and on.decode_ratio == 1.5
+    with pytest.raises(ValueError, match="prefill_decode_ratio"):
+        EngineConfig(prefill_decode_ratio=-0.1)
+
+
+def longest(start: int, work: float, k: int = 4096) -> int:
+    """Independent of PrefillCost: the most tokens after start whose cost fits `work`."""
+    n, cost = 0, 0.0
+    while cost + 1 + (start + n + 1) / k <= work:
+        cost, n = cost + 1 + (start + n + 1) / k, n + 1
+    return n
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.01])
+def test_chunks_next_to_decoders_follow_their_work(loaded: LoadedModel, ratio: float) -> None:
+    """CPU defaults (K 4096, a decode row = 8 units, token cap 64, work cap 112) with
+    --prefill-decode-ratio: next to 3 decoders a prompt's chunks are ~ratio x their work
+    (1.0: ~24 units, not the 64 tokens the token cap alone gives); at 0.01 it still advances
+    min_chunk (16) tokens a step; alone it takes the whole max_batch_tokens."""
+    decoders, length, gen = 3, 600, 2000
+    cfg = EngineConfig(kv_device_gb=0.05, max_batch_tokens=256, prefill_decode_ratio=ratio)
+    e = Engine(cfg, loaded=loaded)
+    steps: list[tuple[int, int]] = []  # (sequences, tokens) per step
+    e.scheduler.observer.step = lambda b, n, *_: steps.append((b, n))  # type: ignore[method-assign]
+    rng = random.Random(5)
+    long_ids = [rng.randrange(4, 200) for _ in range(length)]
+    try:
+        lone_req = Request(session_id="lone", prompt_ids=long_ids[::-1], max_tokens=1)
+        _, _, lone = e.submit(lone_req).collect(timeout=300)
+        assert lone.error is None and steps[0] == (1, 256)  # no decoders: the full budget
+        streams = [
+            e.submit(
+                Request(
+                    session_id=f"d{i}", prompt_ids=[5, 6, 7 + i], max_tokens=gen, ignore_eos=True
+                )
+            )
+            for i in range(decoders)
+        ]
+        for s in streams:
+            s.get(timeout=60)  # decoding has started
+        steps.clear()
+        long_req = Request(session_id="long", prompt_ids=long_ids, max_tokens=1)
+        _, _, final = e.submit(long_req).collect(timeout=300)
+        assert final.error is None and final.usage is not None
+        assert final.usage.cached_tokens == 0
+        for s in streams:
+            s.cancel()
+    finally:
+        e.close()
+    chunks = [n - decoders for b, n in steps if b == decoders + 1]
+    assert sum(chunks) == length  # the whole prompt went in next to the decoders
+    body = chunks[:-1]  # the last chunk is what was left
+    if ratio < 0.1:
+        assert body and set(body) == {16}  # the floor: the prompt still advances
+        return
+    # the decoders' work: 8 units a row at their KV length (3 prompt tokens up to + gen)
+    lo = longest(length, ratio * 8 * decoders * (1 + 4 / 4096))
+    hi = longest(0, ratio * 8 * decoders * (1 + (3 + gen) / 4096))
+    assert body and all(lo <= n <= hi for n in body), (lo, hi, body)
+    assert hi < 40  # well under the 64 tokens of the token cap alone

@@ -91,3 +91,37 @@ def test_bad_settings_are_refused() -> None:
         PrefillCost(0, 896)
     with pytest.raises(ValueError, match=">= 1"):
         PrefillCost(4096, 0)
+
+
+def test_relative_budget_follows_the_decoders_work() -> None:
+    # CPU-like: a decode row costs 8 prompt token-equivalents, prompt work <= 0.5x theirs
+    c = PrefillCost(4096, 112, decode_ratio=0.5, decode_row=8.0)
+    # 16 decoders at 3k: 0.5 * 8 * 16 * (1 + 3001/4096) = 110.9, under the absolute 112
+    assert c.step_budget([3000] * 16) == pytest.approx(0.5 * 8 * 16 * (1 + 3001 / 4096))
+    # 8 decoders at 800: half of the token cap's 64 tokens
+    b8 = c.step_budget([800] * 8)
+    assert b8 == pytest.approx(0.5 * 8 * 8 * (1 + 801 / 4096))
+    n = c.chunk(800, 64, b8, first=True)
+    assert n == c.fit(800, b8) == 31 and c.cost(800, n) <= b8 < c.cost(800, n + 1)
+    # 4 decoders: the work fits 15 tokens, the floor gives the first chunk min_chunk
+    assert c.fit(800, c.step_budget([800] * 4)) == 15
+    assert c.chunk(800, 64, c.step_budget([800] * 4), first=True) == 16
+    # many decoders at long contexts: the absolute budget stays the bound
+    assert c.step_budget([8000] * 64) == 112
+    # no decoders, or ratio 0: the absolute budget as before
+    assert c.step_budget([]) == 112
+    assert PrefillCost(4096, 112).step_budget([3000] * 16) == 112
+
+
+def test_relative_budget_still_lets_a_prompt_advance() -> None:
+    # one decoder at a short context has ~4 units of work: the budget floors at min_chunk's
+    # cost, and a first chunk takes min_chunk whatever its context
+    c = PrefillCost(4096, 112, decode_ratio=0.5, decode_row=8.0)
+    budget = c.step_budget([10])
+    assert budget == pytest.approx(c.cost(0, 16))
+    assert c.chunk(0, 500, budget, first=True) == 16
+    assert c.chunk(50_000, 500, budget, first=True) == 16  # costs more than budget: floor
+    with pytest.raises(ValueError):
+        PrefillCost(4096, 112, decode_ratio=-1)
+    with pytest.raises(ValueError):
+        PrefillCost(4096, 112, decode_row=0)

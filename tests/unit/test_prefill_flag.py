@@ -53,3 +53,14 @@ def test_work_cap_and_graph_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_config([]).engine.cuda_graphs == "eager"
     with pytest.raises(Ds4poolError, match="max_prefill_cost"):
         serve_config(["--max-prefill-cost", "-3"])
+
+
+def test_prefill_decode_ratio_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DS4POOL_PREFILL_DECODE_RATIO", raising=False)
+    assert serve_config([]).engine.prefill_decode_ratio is None  # by device
+    assert serve_config(["--prefill-decode-ratio", "0"]).engine.prefill_decode_ratio == 0
+    monkeypatch.setenv("DS4POOL_PREFILL_DECODE_RATIO", "1.25")
+    assert serve_config([]).engine.prefill_decode_ratio == 1.25
+    assert serve_config(["--prefill-decode-ratio", "2"]).engine.prefill_decode_ratio == 2
+    with pytest.raises(Ds4poolError, match="prefill_decode_ratio must be >= 0"):
+        serve_config(["--prefill-decode-ratio", "-1"])

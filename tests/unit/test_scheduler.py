@@ -118,7 +118,8 @@ def test_prefill_is_capped_only_while_others_decode(loaded: LoadedModel) -> None
         [{"role": "user", "content": " ".join(f"word{i}" for i in range(300))}]
     )
     steps_seen: list[tuple[int, int]] = []  # (sequences, tokens) per step
-    e = engine(loaded, max_batch_tokens=256, max_prefill_tokens=32)
+    # the token cap alone (the work caps: tests/unit/test_prefill_chunks.py)
+    e = engine(loaded, max_batch_tokens=256, max_prefill_tokens=32, prefill_decode_ratio=0)
     e.scheduler.observer.step = lambda b, n, s, *_: steps_seen.append((b, n))  # type: ignore[method-assign]
     try:
         # alone, a prompt takes the whole max_batch_tokens budget in its first step
