@@ -40,20 +40,29 @@ BLOCK_CASES: dict[str, tuple[str, int, str, int | None]] = {
 }
 
 
-# config cases: every tile shape the sweep tries (triton_moe_configs.sweep_shapes, both
+# config cases: tile shapes the sweep tries (triton_moe_configs.sweep_shapes, both
 # projections at once, the split-K partial paths included) at one token (GEMV tiles) and
-# five (dot tiles), fp32
+# five (dot tiles), fp32. Under the interpreter, the 9 of the 27 shapes of an orthogonal
+# array: every value of block_n, block_k and split_k and every pair of them (the kernels
+# branch on each alone, never on a triple); all 27 run compiled in tests/gpu/test_moe_cuda.py.
 CONFIG_TOKENS = (1, 5)
 
 
 def _config_cases() -> list[str]:
-    from ds4pool.model.kernels.triton_moe_configs import sweep_shapes
+    from ds4pool.model.kernels.triton_moe_configs import (
+        SWEEP_BLOCK_K,
+        SWEEP_BLOCK_N,
+        SWEEP_SPLIT_K,
+    )
 
-    return [
-        f"config_t{t}_n{c.block_n}_k{c.block_k}_s{c.split_k}"
-        for t in CONFIG_TOKENS
-        for c in sweep_shapes()
+    levels = range(len(SWEEP_BLOCK_N))
+    assert len(SWEEP_BLOCK_K) == len(SWEEP_SPLIT_K) == len(levels) == 3
+    shapes = [
+        (SWEEP_BLOCK_N[i], SWEEP_BLOCK_K[j], SWEEP_SPLIT_K[(i + j) % 3])
+        for i in levels
+        for j in levels
     ]
+    return [f"config_t{t}_n{n}_k{k}_s{sp}" for t in CONFIG_TOKENS for n, k, sp in shapes]
 
 
 def _config_case(name: str) -> dict[str, Any]:
