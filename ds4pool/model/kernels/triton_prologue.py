@@ -49,12 +49,15 @@ def _q_block(
     q_ptr, w_ptr, t, first, num_heads, stride_qt, stride_qh, cols, cmask, c, s, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
+    """Heads [first, first + BLOCK) of token t normed and rotated in place; returns their
+    halves, the heads and the mask (the k block stores them into the cache too)."""
     heads = first + tl.arange(0, BLOCK)
     m = (heads < num_heads)[:, None] & cmask[None, :]
     base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + cols[None, :]
     y1, y2 = _norm_rope(base, m, cols, cmask, w_ptr, c, s, eps, D, HALF, HAS_NORM)
     tl.store(base, y1, mask=m)
     tl.store(base + HALF, y2, mask=m)
+    return y1, y2, heads, m
 
 
 @triton.jit
@@ -63,12 +66,10 @@ def _kv_block(
     stride_kt, stride_kh, stride_vt, stride_vh, cols, cmask, c, s, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    heads = first + tl.arange(0, BLOCK)
-    m = (heads < num_kv_heads)[:, None] & cmask[None, :]
-    base = k_ptr + t.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + cols[None, :]
-    y1, y2 = _norm_rope(base, m, cols, cmask, w_ptr, c, s, eps, D, HALF, HAS_NORM)
-    tl.store(base, y1, mask=m)
-    tl.store(base + HALF, y2, mask=m)
+    y1, y2, heads, m = _q_block(
+        k_ptr, w_ptr, t, first, num_kv_heads, stride_kt, stride_kh, cols, cmask, c, s, eps,
+        D, HALF, BLOCK, HAS_NORM,
+    )  # fmt: skip
     slot = tl.load(slot_ptr + t).to(tl.int64)
     dst = cache_ptr + slot * num_kv_heads * D + heads[:, None] * D + cols[None, :]
     et = cache_ptr.dtype.element_ty
