@@ -25,6 +25,27 @@ def run_cli(*args: str, cache: Path, stdin: str | None = None) -> subprocess.Com
     )
 
 
+def run_clis(*commands: list[str], cache: Path) -> list[subprocess.CompletedProcess]:
+    """Independent invocations side by side (each one's start-up is mostly the imports)."""
+    env = dict(os.environ, DS4POOL_CACHE=str(cache))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ds4pool", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for args in commands
+    ]
+    done = []
+    for args, proc in zip(commands, procs, strict=True):
+        out, err = proc.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return done
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
@@ -40,13 +61,13 @@ def cache(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Path:
 
 
 def test_generate_prints_completion_and_timing(cache: Path) -> None:
-    proc = run_cli("generate", "--prompt", "def add(a, b):", "--max-tokens", "12", cache=cache)
+    args = ["generate", "--prompt", "def add(a, b):", "--max-tokens", "12"]
+    proc, again = run_clis(args, args, cache=cache)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()  # the completion, nothing else
     assert "prefill:" in proc.stderr and "decode:" in proc.stderr and "tok/s" in proc.stderr
     assert "prefill:" not in proc.stdout
     # greedy by default: the same command prints the same text
-    again = run_cli("generate", "--prompt", "def add(a, b):", "--max-tokens", "12", cache=cache)
     assert again.stdout == proc.stdout
 
 
@@ -65,7 +86,7 @@ def test_generate_chat_seeded_sampling_is_reproducible(cache: Path) -> None:
         "--seed",
         "42",
     ]
-    a, b = run_cli(*args, cache=cache), run_cli(*args, cache=cache)
+    a, b = run_clis(args, args, cache=cache)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout
 
@@ -86,23 +107,31 @@ def test_unknown_architecture(tmp_path: Path, demo_dir: Path) -> None:
 
 
 def test_missing_and_corrupt_files(tmp_path: Path, demo_dir: Path) -> None:
-    model = tmp_path / "m"
-    build_hf_model("llama", model)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (model / name).write_bytes((demo_dir / name).read_bytes())
-    weights = model / "model.safetensors"
+    def model_dir(name: str) -> Path:
+        model = tmp_path / name
+        build_hf_model("llama", model)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (model / f).write_bytes((demo_dir / f).read_bytes())
+        return model
+
+    truncated, no_weights, no_config = model_dir("t"), model_dir("w"), model_dir("c")
+    weights = truncated / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # truncated download
-    proc = run_cli("generate", "--model", str(model), "--prompt", "x", cache=tmp_path)
-    assert_one_line_error(proc, "model.safetensors")
-    weights.unlink()
-    proc = run_cli("generate", "--model", str(model), "--prompt", "x", cache=tmp_path)
-    assert_one_line_error(proc, "safetensors")
-    (model / "config.json").unlink()
-    proc = run_cli("generate", "--model", str(model), "--prompt", "x", cache=tmp_path)
-    assert_one_line_error(proc, "config.json")
-    proc = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x", cache=tmp_path)
-    assert_one_line_error(proc, "nope")
+    (no_weights / "model.safetensors").unlink()
+    (no_config / "model.safetensors").unlink()
+    (no_config / "config.json").unlink()
+    procs = run_clis(
+        *(
+            ["generate", "--model", str(m), "--prompt", "x"]
+            for m in (truncated, no_weights, no_config, tmp_path / "nope")
+        ),
+        cache=tmp_path,
+    )
+    for proc, fragment in zip(
+        procs, ("model.safetensors", "safetensors", "config.json", "nope"), strict=True
+    ):
+        assert_one_line_error(proc, fragment)
 
 
 def test_corrupt_config_json(tmp_path: Path, demo_dir: Path) -> None:
@@ -129,17 +158,19 @@ def test_prompt_longer_than_context(tmp_path: Path, demo_dir: Path) -> None:
 def test_unavailable_device_and_bad_dtype(cache: Path) -> None:
     import torch
 
+    cases = [(["--dtype", "float8"], "float8"), (["--device", "tpu"], "tpu")]
     if not torch.cuda.is_available():
-        proc = run_cli("generate", "--device", "cuda", "--prompt", "x", cache=cache)
-        assert_one_line_error(proc, "cuda")
-    proc = run_cli("generate", "--dtype", "float8", "--prompt", "x", cache=cache)
-    assert_one_line_error(proc, "float8")
-    proc = run_cli("generate", "--device", "tpu", "--prompt", "x", cache=cache)
-    assert_one_line_error(proc, "tpu")
+        cases.append((["--device", "cuda"], "cuda"))
+    procs = run_clis(*(["generate", *flags, "--prompt", "x"] for flags, _ in cases), cache=cache)
+    for proc, (_, fragment) in zip(procs, cases, strict=True):
+        assert_one_line_error(proc, fragment)
 
 
 def test_bad_sampling_values(cache: Path) -> None:
-    proc = run_cli("generate", "--prompt", "x", "--top-p", "1.5", cache=cache)
-    assert_one_line_error(proc, "top_p")
-    proc = run_cli("generate", "--prompt", "x", "--max-tokens", "0", cache=cache)
-    assert_one_line_error(proc, "max-tokens")
+    top_p, max_tokens = run_clis(
+        ["generate", "--prompt", "x", "--top-p", "1.5"],
+        ["generate", "--prompt", "x", "--max-tokens", "0"],
+        cache=cache,
+    )
+    assert_one_line_error(top_p, "top_p")
+    assert_one_line_error(max_tokens, "max-tokens")

@@ -49,9 +49,10 @@ class Case:
 
 
 CASES: dict[str, Case] = {
-    # rows of 300 and 20 keys beside a 2,000-key row: 256-key pieces split the long one only
+    # rows of 100 and 20 keys beside a 300-key row: 32-key pieces split the long one only
+    # (the backend's rule at a smaller scale: 256-key pieces, rows <= 1,024 keys whole)
     "decode_short_rows_stay_whole": Case(
-        "decode", [300, 2000, 20, 0], partition_size=256, short_context=1024, workspace=True
+        "decode", [100, 300, 20, 0], partition_size=32, short_context=128, workspace=True
     ),
     # split-K: P = ceil(7 blocks * 16 / 32) = 4 partitions, ragged lengths, a padding row
     "decode_g1_d64_splitk": Case("decode", [1, 17, 40, 0, 100], heads=2, partition_size=32),
