@@ -2,6 +2,11 @@
 
     python3 bench/attn_kernels.py            # checks + full table (< 4 min on an H200)
     python3 bench/attn_kernels.py --quick    # fewer shapes, for a smoke run
+    python3 bench/attn_kernels.py --sweep --emit   # decode launch sweep, table to paste
+
+--sweep times the decode kernel's launch candidates instead (bench/decode_sweep.py: block_n,
+warps, stages, short-row pieces at batch 1-64, contexts 160-8k, graph-sized tables) and with
+--emit prints a `DECODE_TABLE` for model/kernels/triton_decode_configs.py.
 
 1. Checks: every launch variant below against the torch reference backend (TorchPagedAttention)
    on ragged, shuffled paged batches (bf16, block 16, H=32, H_kv=8, D=128), incl. a sliding
@@ -305,10 +310,18 @@ def prefill_table(shapes: list[tuple[int, int]], matmul: float) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
+    parser.add_argument("--sweep", action="store_true", help="decode launch sweep only")
+    parser.add_argument("--emit", action="store_true", help="--sweep: print the table to paste")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="--sweep: time budget")
     args = parser.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/attn_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    if args.sweep:
+        from bench.decode_sweep import run
+
+        return run(args.quick, args.emit, args.budget_s)
     t0 = time.perf_counter()
     failures = checks()
     print(f"checks done in {time.perf_counter() - t0:.0f} s", flush=True)

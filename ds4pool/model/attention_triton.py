@@ -9,18 +9,26 @@ mapping before either kernel runs: by the Llama family's fused attention prologu
 fused kernel for both). Both kernels size their grids
 from tensor shapes only (a captured mixed step fixes the prefill split-K factor in its
 metadata), so decode and mixed steps over persistent buffers can be captured in CUDA graphs
-(ds4pool/model/cuda_graphs.py) and replayed with new values.
+(ds4pool/model/cuda_graphs.py) and replayed with new values. The decode kernel's launch
+(tile width, warps, stages, short-row pieces) is looked up on the host by (batch, table
+width) in `kernels/triton_decode_configs.DECODE_TABLE`, so a graph keeps the one it was
+captured with.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from ds4pool.model.attention import AttentionMetadata
 
+if TYPE_CHECKING:  # the kernels import triton, which a CPU-only install may lack
+    from ds4pool.model.kernels.triton_decode_configs import DecodeTable
+
 
 def decode_partition_size(
-    batch: int, kv_heads: int, width_tokens: int, num_sms: int, short: int = 1024
+    batch: int, kv_heads: int, width_tokens: int, num_sms: int, short: int = 1024, align: int = 64
 ) -> int:
     """`partition_size` of a `paged_decode` launch, from shapes only (graph safe).
 
@@ -28,13 +36,14 @@ def decode_partition_size(
     contexts are latency-bound. A wider one gets pieces for ~4 programs per SM assuming the
     longest context fills only a quarter of the table (a graph's width bucket is up to 4x the
     context it serves: widths grow x4 in model/cuda_graphs.py; programs past a row's context
-    exit at once), 256 tokens at the least.
+    exit at once), 256 tokens at the least, a multiple of `align` (the launch's block_n).
     """
     if width_tokens <= short:
         return short
     splits = max(1, -(-4 * num_sms // max(1, batch * kv_heads)))
     size = -(-width_tokens // (4 * splits))
-    return max(256, -(-size // 64) * 64)
+    align = max(64, align)
+    return max(-(-256 // align) * align, -(-size // align) * align)
 
 
 def triton_available() -> bool:
@@ -50,19 +59,23 @@ class TritonPagedAttention:
     supports_cuda_graphs = True
     index_dtype = torch.int32
 
-    def __init__(self) -> None:
-        from ds4pool.model.kernels import triton_attention, triton_fused
+    def __init__(self, decode_table: DecodeTable | None = None) -> None:
+        from ds4pool.model.kernels import triton_attention, triton_decode_configs, triton_fused
 
         self._k = triton_attention
         self._store_kv = triton_fused.store_kv
+        # decode launches by (batch bucket, table width): chosen from shapes, graph safe
+        self.decode_table = decode_table or triton_decode_configs.DECODE_TABLE
         self._sms = torch.cuda.get_device_properties(
             torch.cuda.current_device()
         ).multi_processor_count
 
-    def partition_size(self, batch: int, num_kv_heads: int, width_tokens: int) -> int:
+    def partition_size(
+        self, batch: int, num_kv_heads: int, width_tokens: int, block_n: int = 64
+    ) -> int:
         """Split-K partition for a decode launch (`decode_partition_size`)."""
         return decode_partition_size(
-            batch, num_kv_heads, width_tokens, self._sms, self._k.SHORT_CONTEXT
+            batch, num_kv_heads, width_tokens, self._sms, self._k.SHORT_CONTEXT, block_n
         )
 
     def forward(
@@ -79,6 +92,8 @@ class TritonPagedAttention:
             self._store_kv(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_only:
+            width = meta.block_tables.shape[1] * meta.block_size
+            launch = self.decode_table.launch(q.shape[0], width)
             self._k.paged_decode(
                 q,
                 cache[0],
@@ -88,9 +103,8 @@ class TritonPagedAttention:
                 scale,
                 out,
                 sliding_window=meta.sliding_window,
-                partition_size=self.partition_size(
-                    q.shape[0], k.shape[1], meta.block_tables.shape[1] * meta.block_size
-                ),
+                partition_size=self.partition_size(q.shape[0], k.shape[1], width, launch.block_n),
+                launch=launch,
                 short_context=self._k.SHORT_CONTEXT,
             )
         else:

@@ -173,3 +173,43 @@ def test_prefill_split_k_long_context(window: int | None, parts: int) -> None:
     assert torch.isfinite(split).all()
     assert rel_err(split, run_prefill(case, window).double().cpu()) < 1e-2
     assert rel_err(split, reference(case, window)) < 1e-2
+
+
+def _tables() -> dict[str, object]:
+    from ds4pool.model.kernels import triton_decode_configs as tdc
+
+    pieces = tdc.DecodeTable(block_n=32, num_warps=2, short_piece=64, default_stages=2,
+                             stages=((1, 1024, 3), (64, 16384, 1)))  # fmt: skip
+    return {"shipped": tdc.DECODE_TABLE, "pieces_and_stages": pieces}
+
+
+@pytest.mark.parametrize("name", list(_tables()))
+def test_the_decode_tables_short_rows_equal_their_solo_run(name: str) -> None:
+    """A row of <= 1,024 keys in a batch of 64 over a 16k-wide table (beside an 8k row) gives
+    the bits it gives alone at batch 1 over a 1k-wide table, with the launches the backend
+    takes from the table for those two shapes (they may differ in num_stages only)."""
+    from ds4pool.model.attention_triton import decode_partition_size
+
+    table = _tables()[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctx = [160, 1000, 8000, 17] + [300] * 60
+    case = make_case([1] * len(ctx), ctx, **LLAMA3_8B, block_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=5)  # fmt: skip
+
+    def decode(rows: slice, width: int) -> torch.Tensor:
+        tables = torch.zeros(rows.stop - rows.start, width // 16, dtype=torch.int32, device="cuda")
+        have = case.block_tables[rows, : width // 16]
+        tables[:, : have.shape[1]] = have
+        launch = table.launch(tables.shape[0], width)  # type: ignore[attr-defined]
+        part = decode_partition_size(tables.shape[0], 8, width, sms, ta.SHORT_CONTEXT,
+                                     launch.block_n)  # fmt: skip
+        out = torch.full_like(case.q[rows], float("nan"))
+        ta.paged_decode(case.q[rows], case.cache[0], case.cache[1], tables,
+                        case.context_lens[rows], case.scale, out, partition_size=part,
+                        launch=launch, short_context=ta.SHORT_CONTEXT)  # fmt: skip
+        return out
+
+    batched = decode(slice(0, len(ctx)), 16384)
+    assert rel_err(batched, reference(case)) < 1e-2
+    for i in (0, 1, 3):
+        assert torch.equal(decode(slice(i, i + 1), 1024), batched[i : i + 1]), ctx[i]

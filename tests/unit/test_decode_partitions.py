@@ -43,3 +43,10 @@ def test_pieces_shrink_with_the_batch_not_below_the_floor() -> None:
 def test_one_long_context_is_not_left_to_a_few_programs() -> None:
     # batch 1 at 3k tokens (a 4k-wide table): 1,024-token pieces were 24 programs
     assert live_programs(1, 8, 4096, 3072) >= 96
+
+
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+def test_pieces_are_whole_tiles_of_the_launch(block_n: int) -> None:
+    # paged_decode needs partition_size % block_n == 0 for the table's tile width
+    for batch, width in [(1, 4096), (8, 16384), (64, 16384), (3, 5000)]:
+        assert decode_partition_size(batch, 8, width, SMS, align=block_n) % max(64, block_n) == 0

@@ -41,6 +41,7 @@ class Case:
     pad_rows: int = 0
     pad_tokens: int = 0
     short_context: int = 0  # decode: rows up to this long stay one piece (the backend's 1,024)
+    short_piece: int = 0  # decode: ... or pieces of this many keys (DecodeLaunch.short_piece)
 
     @property
     def tolerance(self) -> float:
@@ -123,6 +124,33 @@ CASES: dict[str, Case] = {
 }
 
 
+# The decode table's launches (kernels/triton_decode_configs.py): (block_n, short_piece) pairs
+# that take every block_n and short_piece its sweep tries at least once (num_warps and
+# num_stages change the compiled code only, which the interpreter does not run), over a table
+# wider than short_context: a long row split by partition_size, short rows whole or in pieces
+# (the windowed pair: pieces and a long row's partition wholly before the window are skipped).
+CONFIG_PAIRS = ((16, 0), (32, 64), (64, 256), (128, 128))
+CONFIG_WINDOW = {(32, 64): 60}
+
+
+def _config_cases() -> dict[str, Case]:
+    try:  # the table's own arithmetic too, whatever a sweep pasted there
+        from ds4pool.model.kernels.triton_decode_configs import DECODE_TABLE
+    except ImportError:  # no triton: the module skips
+        return {}
+    pairs = dict.fromkeys([*CONFIG_PAIRS, (DECODE_TABLE.block_n, DECODE_TABLE.short_piece)])
+    return {
+        f"decode_config_n{n}_piece{p}": Case(
+            "decode", [200, 100, 17, 0], heads=4, kv_heads=1, head_dim=32, block_n=n,
+            partition_size=128, short_context=128, short_piece=p, window=CONFIG_WINDOW.get((n, p)),
+        )  # fmt: skip
+        for n, p in pairs
+    }
+
+
+CASES |= _config_cases()
+
+
 def _run_case(name: str) -> dict:
     import torch
 
@@ -167,8 +195,8 @@ def _run_case(name: str) -> dict:
             q, k_cache, v_cache, case.block_tables, case.context_lens, case.scale, out,
             sliding_window=c.window, partition_size=c.partition_size,
             num_partitions=c.num_partitions,
-            launch=ta.DecodeLaunch(block_n=c.block_n), workspace=workspace if c.workspace else None,
-            short_context=c.short_context,
+            launch=ta.DecodeLaunch(block_n=c.block_n, short_piece=c.short_piece),
+            workspace=workspace if c.workspace else None, short_context=c.short_context,
         )  # fmt: skip
         if c.short_context:
             solo = _short_rows_solo_equal(c, case, q, out)
@@ -194,8 +222,9 @@ def _run_case(name: str) -> dict:
 
 
 def _short_rows_solo_equal(c: Case, case: object, q: object, batched: object) -> bool:
-    """Each row of <= short_context keys, launched alone over its own narrow table (one piece,
-    no split), gives bit for bit what it gave in the wide split batch."""
+    """Each row of <= short_context keys, launched alone over its own narrow table (as the
+    backend launches a table <= short_context: partition_size = short_context), gives bit for
+    bit what it gave in the wide split batch."""
     import torch
 
     from ds4pool.model.kernels import triton_attention as ta
@@ -208,8 +237,9 @@ def _short_rows_solo_equal(c: Case, case: object, q: object, batched: object) ->
         out = torch.full_like(batched[i : i + 1], float("nan"))
         ta.paged_decode(
             q[i : i + 1], case.cache[0], case.cache[1], case.block_tables[i : i + 1, :width],
-            case.context_lens[i : i + 1], case.scale, out, partition_size=width * c.block_size,
-            launch=ta.DecodeLaunch(block_n=c.block_n),
+            case.context_lens[i : i + 1], case.scale, out, sliding_window=c.window,
+            partition_size=c.short_context, short_context=c.short_context,
+            launch=ta.DecodeLaunch(block_n=c.block_n, short_piece=c.short_piece),
         )  # fmt: skip
         same = same and torch.equal(out, batched[i : i + 1])
     return same

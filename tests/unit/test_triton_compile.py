@@ -47,7 +47,7 @@ def async_copies(kernel: object) -> int:
 def test_decode_compiles_pipelined(split: bool, window: bool, fixed_p: bool) -> None:
     launch = ta.DEFAULT_DECODE
     consts = dict(H=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
-                  PARTITION=ta.DEFAULT_PARTITION, SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
+                  SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
                   FIXED_P=fixed_p, SPLIT=split, USE_WINDOW=window,
                   PRECISION="tf32")  # fmt: skip
     kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
@@ -56,7 +56,7 @@ def test_decode_compiles_pipelined(split: bool, window: bool, fixed_p: bool) -> 
 
 @pytest.mark.parametrize("fixed_p", [True, False])
 def test_decode_reduce_compiles(fixed_p: bool) -> None:
-    consts = dict(H=32, D=128, D_PAD=128, PARTITION=512, SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
+    consts = dict(H=32, D=128, D_PAD=128, SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
                   BLOCK_N=64, FIXED_P=fixed_p, P_CHUNK=16, USE_WINDOW=True)  # fmt: skip
     compile_sm90(dk.decode_reduce_kernel, consts, 4, 2)
 
@@ -91,3 +91,28 @@ def test_prefill_split_policy() -> None:
     assert ta.prefill_num_partitions(programs=128, max_context=16384, num_sms=132) == 5
     assert ta.prefill_num_partitions(programs=16, max_context=700, num_sms=132) == 1
     assert ta.prefill_num_partitions(programs=1, max_context=1 << 20, num_sms=132) == 64
+
+
+def _decode_table_launches() -> list[object]:
+    """Every launch DECODE_TABLE can return: its rows' and its default's."""
+    from ds4pool.model.kernels.triton_decode_configs import DECODE_TABLE as t
+
+    shapes = [(b, w) for b, w, _ in t.stages] + [(1 << 20, 1 << 30)]  # the last: the default
+    return sorted({t.launch(b, w) for b, w in shapes}, key=repr)
+
+
+H200_SHARED_BYTES = 227 * 1024  # the most shared memory one program may use on sm_90
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("launch", _decode_table_launches(), ids=repr)
+def test_the_decode_tables_launches_compile_and_fit(launch: object, split: bool) -> None:
+    """What a pasted sweep result would launch compiles for sm_90 and fits in shared memory
+    (a launch that does not would fail at the first decode, not at the sweep's machine)."""
+    consts = dict(H=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
+                  SHORT=ta.SHORT_CONTEXT, FIXED_P=False, SPLIT=split, USE_WINDOW=False,
+                  PRECISION="tf32")  # fmt: skip
+    kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, kernel.metadata.shared
+    if launch.num_stages > 1:
+        assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"

@@ -8,9 +8,9 @@ import triton.language as tl
 from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
 
 
-# Values that change from step to step (table width, partition count) are not specialised on
-# (divisibility, == 1), so a new batch shape does not recompile the kernel.
-@triton.jit(do_not_specialize=["window", "stride_tb", "num_parts"])
+# Values that change from step to step or bucket to bucket (table width, partition count and
+# length) are not specialised on (divisibility, == 1), so a new shape does not recompile.
+@triton.jit(do_not_specialize=["window", "stride_tb", "num_parts", "partition", "short_len"])
 def decode_kernel(
     q_ptr,
     k_ptr,
@@ -34,6 +34,8 @@ def decode_kernel(
     stride_ob,
     stride_oh,
     num_parts,
+    partition,
+    short_len,
     H: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -41,7 +43,6 @@ def decode_kernel(
     D_PAD: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PARTITION: tl.constexpr,
     SHORT: tl.constexpr,
     FIXED_P: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -57,13 +58,13 @@ def decode_kernel(
         lo = tl.maximum(ctx - window, 0)
     # partition p covers [base + p * length, base + (p + 1) * length); BLOCK_N aligned
     base = 0
-    length = PARTITION
+    length = partition
     if FIXED_P:  # num_parts partitions per row, sized at run time from this row's context
         base = (lo // BLOCK_N) * BLOCK_N
         length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
-    elif SHORT > 0:  # a short row is one piece whatever the table width: batched == solo
+    elif SHORT > 0:  # a short row's pieces do not depend on the table width: batched == solo
         if ctx <= SHORT:
-            length = SHORT
+            length = short_len
     # visible keys of this program: [max(p_start, lo), p_end)
     p_start = base + part * length
     p_end = tl.minimum(p_start + length, ctx)
@@ -114,7 +115,7 @@ def decode_kernel(
         tl.store(part_lse_ptr + slot, lse, mask=g < G)
 
 
-@triton.jit(do_not_specialize=["window", "num_parts"])
+@triton.jit(do_not_specialize=["window", "num_parts", "partition", "short_len"])
 def decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -124,10 +125,11 @@ def decode_reduce_kernel(
     stride_ob,
     stride_oh,
     num_parts,
+    partition,
+    short_len,
     H: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
-    PARTITION: tl.constexpr,
     SHORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FIXED_P: tl.constexpr,
@@ -142,13 +144,13 @@ def decode_reduce_kernel(
         lo = tl.maximum(ctx - window, 0)
     # the partition bounds of decode_kernel
     base = 0
-    length = PARTITION
+    length = partition
     if FIXED_P:
         base = (lo // BLOCK_N) * BLOCK_N
         length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
     elif SHORT > 0:
         if ctx <= SHORT:
-            length = SHORT
+            length = short_len
     row = (b * H + h) * num_parts
     # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
     # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials

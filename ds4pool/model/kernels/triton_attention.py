@@ -16,8 +16,9 @@ grid (B, H_kv, P). Each program runs an online softmax over its partition with a
 [G padded to 16, D] against k tiles [BLOCK_N, D] (tensor-core tl.dot), and writes a partial
 output normalised by its own sum plus the partition's log-sum-exp. A small reduce kernel,
 grid (B, H), combines the P partials with weights exp(lse_p - max lse). When P == 1 the main
-kernel writes the output directly and no reduce runs. P is a runtime argument (only "P > 1"
-is a compile-time flag), so new context buckets do not recompile the kernels. With a wide
+kernel writes the output directly and no reduce runs. P and the partition length are runtime
+arguments (only "P > 1" is a compile-time flag), so new context and batch buckets do not
+recompile the kernels. With a wide
 persistent block table (sized for the longest context) and short contexts, most of those P
 programs would exit at once; `num_partitions=` fixes P instead and each row cuts its own
 visible context into P equal pieces at run time (still one grid per shape, graph safe).
@@ -70,11 +71,25 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """Launch parameters of the decode kernel (partition_size must be a multiple of block_n)."""
+    """Launch parameters of the decode kernel (partition_size must be a multiple of block_n).
+
+    short_piece: keys per split-K piece of a row of <= short_context keys (a multiple of
+    block_n; 0: such a row is one piece). block_n, num_warps and short_piece set the order in
+    which a short row's keys are summed, so the backend keeps them the same for every batch
+    and table width (kernels/triton_decode_configs.py)."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    short_piece: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16: {self}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two, num_stages >= 1: {self}")
+        if self.short_piece < 0 or self.short_piece % self.block_n:
+            raise ValueError(f"short_piece must be 0 or a multiple of block_n: {self}")
 
 
 @dataclass(frozen=True)
@@ -120,9 +135,17 @@ def _check_common(
     return n_heads, h_kv, d
 
 
-def decode_num_partitions(max_blocks: int, block_size: int, partition_size: int) -> int:
-    """P of the split-K grid: from shapes only, so it is fixed for a captured graph."""
-    return max(1, -(-max_blocks * block_size // partition_size))
+def decode_num_partitions(
+    max_blocks: int, block_size: int, partition_size: int, short_context: int = 0,
+    short_piece: int = 0,
+) -> int:  # fmt: skip
+    """P of the split-K grid: from shapes only, so it is fixed for a captured graph. Enough
+    for the widest row and, with `short_context`, for a short row cut in `short_piece`s."""
+    width = max_blocks * block_size
+    parts = max(1, -(-width // partition_size))
+    if short_context and short_piece:
+        parts = max(parts, -(-min(width, short_context) // short_piece))
+    return parts
 
 
 def auto_num_partitions(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
@@ -167,8 +190,9 @@ def paged_decode(
     """Attention of one query token per sequence over its paged context (split-K).
 
     `short_context` (partition_size mode): a row of at most that many tokens is one piece
-    whatever the table width, so its result does not depend on the rows beside it (the
-    backend passes SHORT_CONTEXT; 0 splits every row by partition_size).
+    (or pieces of `launch.short_piece` keys) whatever the table width, so its result does not
+    depend on the rows beside it (the backend passes SHORT_CONTEXT; 0 splits every row by
+    partition_size).
 
     By default the context splits into partitions of `partition_size` tokens, as many as the
     table width allows (P = ceil(max_blocks * bs / partition_size)). With `num_partitions`
@@ -186,9 +210,10 @@ def paged_decode(
         return
     g = n_heads // h_kv
     fixed_p = num_partitions is not None
-    short = short_context if not fixed_p and short_context > partition_size else 0
-    assert short % launch.block_n == 0, (short, launch.block_n)
-    num_parts = decode_num_partitions(max_blocks, bs, partition_size)
+    short = short_context if not fixed_p else 0
+    short_len = launch.short_piece or short
+    assert short_len % launch.block_n == 0, (short_len, launch.block_n)
+    num_parts = decode_num_partitions(max_blocks, bs, partition_size, short, launch.short_piece)
     if num_partitions is not None:
         num_parts = num_partitions
     assert num_parts >= 1, num_parts
@@ -210,9 +235,10 @@ def paged_decode(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_parts,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_parts, partition_size,
+        short_len or partition_size,
         H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
-        BLOCK_N=launch.block_n, PARTITION=partition_size, SHORT=short, FIXED_P=fixed_p,
+        BLOCK_N=launch.block_n, SHORT=short, FIXED_P=fixed_p,
         SPLIT=num_parts > 1,
         USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -221,7 +247,8 @@ def paged_decode(
         return
     decode_reduce_kernel[(batch, n_heads)](
         part_out, part_lse, context_lens, out, window, out.stride(0), out.stride(1), num_parts,
-        H=n_heads, D=d, D_PAD=d_pad, PARTITION=partition_size, SHORT=short, BLOCK_N=launch.block_n,
+        partition_size, short_len or partition_size,
+        H=n_heads, D=d, D_PAD=d_pad, SHORT=short, BLOCK_N=launch.block_n,
         FIXED_P=fixed_p, P_CHUNK=16,
         USE_WINDOW=window > 0, num_warps=4,
     )  # fmt: skip
