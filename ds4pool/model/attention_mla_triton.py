@@ -90,8 +90,8 @@ class TritonMLAAttention:
         self._k.mla_decode(
             q,
             cache[0],
-            tables.contiguous(),
-            lens.contiguous(),
+            tables,
+            lens,
             scale,
             out,
             partition_size=self.partition_size(q.shape[0], q.shape[1], width),
