@@ -134,7 +134,9 @@ class ModelRunner:
         self.backend = select_backend(backend, self.device, kv_kind)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
-            set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())
+            # the fused elementwise kernels go with either Triton attention backend
+            fused = self.backend.name in ("triton", "triton-mla")
+            set_backend(self.backend, TritonOps() if fused else TorchOps())
         self.sampler = Sampler(self.device)
         self._readback: torch.Tensor | None = None  # pinned [>= R] int64: sampled ids (CUDA)
         self._launched = False  # a launched step not waited yet

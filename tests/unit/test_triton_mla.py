@@ -121,14 +121,15 @@ def _run_kernel_case(name: str) -> dict:
 
 
 def _run_model_case(name: str) -> dict:
-    """The tiny DeepSeek-V3 (fp32, CPU), torch-mla vs triton-mla backend, one trace each:
+    """The tiny DeepSeek-V3 (fp32, CPU), torch-mla + TorchOps vs triton-mla + TritonOps (the
+    fused norms the runner pairs with it on CUDA), one trace each:
     two prompts, four decode-only steps, a mixed step (a new prompt beside the decode rows),
     three more decode steps. Logits of every step and greedy tokens are compared."""
     import torch
 
     from ds4pool.kv.blocks import BlockPool
     from ds4pool.model.attention_mla_triton import TritonMLAAttention
-    from ds4pool.model.ops import TorchOps
+    from ds4pool.model.ops import TritonOps
     from ds4pool.model.runner import ModelRunner, SeqInput
     from tests.hf_models import tiny_loaded
 
@@ -138,8 +139,8 @@ def _run_model_case(name: str) -> dict:
 
     def trace(triton: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
         runner = ModelRunner(loaded, num_blocks=40, block_size=4)
-        if triton:  # the runner picks torch on CPU; the kernel runs under the interpreter
-            loaded.model.set_attention_backend(TritonMLAAttention(num_sms=4), TorchOps())
+        if triton:  # what the runner picks on CUDA, here under the interpreter
+            loaded.model.set_attention_backend(TritonMLAAttention(num_sms=4), TritonOps())
         pool = BlockPool(40)
         tables = [pool.allocate(-(-(len(p) + 8) // 4)) for p in prompts]
         tokens: list[list[int]] = [[], [], []]
