@@ -43,3 +43,19 @@ def test_pieces_shrink_with_the_batch_not_below_the_floor() -> None:
 def test_one_long_context_is_not_left_to_a_few_programs() -> None:
     # batch 1 at 3k tokens (a 4k-wide table): 1,024-token pieces were 24 programs
     assert live_programs(1, 8, 4096, 3072) >= 96
+
+
+@pytest.mark.parametrize(("heads", "batch"), [(16, 1), (16, 8), (128, 1), (128, 32)])
+def test_mla_decode_splits_by_head_blocks(heads: int, batch: int) -> None:
+    """The MLA backend's rule is this one over blocks of 16 heads (one latent read each): a
+    DeepSeek-V3 context of 4,200 keys in a 16k-wide table keeps >= 2 live programs per SM
+    where the batch alone would not, and a short table stays one piece."""
+    pytest.importorskip("triton")
+    from ds4pool.model.attention_mla_triton import TritonMLAAttention
+
+    backend = TritonMLAAttention(num_sms=SMS)
+    assert backend.partition_size(batch, heads, 1024) == 1024
+    size = backend.partition_size(batch, heads, 16384)
+    blocks = -(-heads // 16)
+    assert size == decode_partition_size(batch, blocks, 16384, SMS)
+    assert batch * blocks * -(-4200 // size) >= min(2 * SMS, batch * blocks * 4200 // 256)
