@@ -32,9 +32,12 @@ import triton.language as tl
 
 from ds4pool.model.kernels._decode_kernels import decode_reduce_kernel
 from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
-from ds4pool.model.kernels.triton_attention import DecodeWorkspace, decode_num_partitions
-
-_LOG2E = 1.4426950408889634
+from ds4pool.model.kernels.triton_attention import (
+    _LOG2E,
+    DecodeWorkspace,
+    _precision,
+    decode_num_partitions,
+)
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,6 @@ def mla_decode_kernel(
         o_mask = h_mask[:, None] & dc_mask[None, :]
         tl.store(part_out_ptr + slot[:, None] * R + dc[None, :], o, mask=o_mask)
         tl.store(part_lse_ptr + slot, lse, mask=h_mask)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def mla_decode(
