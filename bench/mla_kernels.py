@@ -83,7 +83,7 @@ def launch_fn(
     part = -(-part // launch.block_n) * launch.block_n
     return partial(
         tm.mla_decode, q, cache, tables, lens, SCALE, out, partition_size=part,
-        short_context=backend._short, launch=launch,
+        short_context=backend.short_context, launch=launch,
     )  # fmt: skip
 
 

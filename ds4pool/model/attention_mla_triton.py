@@ -25,14 +25,15 @@ from ds4pool.model.attention_triton import decode_partition_size
 class TritonMLAAttention:
     name = "triton-mla"
     supports_cuda_graphs = True
-    index_dtype = torch.int64  # as the reference's prefill path indexes the cache with
+    index_dtype = torch.int64  # the tables also index the cache in the reference prefill path
 
     def __init__(self, num_sms: int | None = None) -> None:
         """`num_sms`: the current CUDA device's unless given (tests under the interpreter)."""
         from ds4pool.model.kernels import triton_attention, triton_mla
 
         self._k = triton_mla
-        self._short = triton_attention.SHORT_CONTEXT
+        # a decode row of at most this many keys is one piece: its result ignores its batch
+        self.short_context = triton_attention.SHORT_CONTEXT
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(
                 torch.cuda.current_device()
@@ -43,7 +44,7 @@ class TritonMLAAttention:
         """Split-K partition of a decode launch: the dense rule (`decode_partition_size`) with
         the kernel's head blocks in the place of kv heads (programs per row and partition)."""
         blocks = -(-heads // self._k.DEFAULT_MLA_DECODE.block_h)
-        return decode_partition_size(batch, blocks, width_tokens, self._sms, self._short)
+        return decode_partition_size(batch, blocks, width_tokens, self._sms, self.short_context)
 
     def forward(
         self,
@@ -95,5 +96,5 @@ class TritonMLAAttention:
             scale,
             out,
             partition_size=self.partition_size(q.shape[0], q.shape[1], width),
-            short_context=self._short,
+            short_context=self.short_context,
         )

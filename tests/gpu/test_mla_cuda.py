@@ -52,7 +52,7 @@ def run(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.
     tm.mla_decode(
         q, cache, tables, lens, scale, out,
         partition_size=backend.partition_size(q.shape[0], q.shape[1], width),
-        short_context=backend._short,
+        short_context=backend.short_context,
     )  # fmt: skip
 
 
