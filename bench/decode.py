@@ -3,10 +3,13 @@
     python bench/decode.py --model random:100m --batch 1 8 32
     python bench/decode.py --model random:llama3-8b --device cuda --batch 1 8 32 64 \
         --roofline --peer-hf --prefill 16384
+    python bench/decode.py --model random:deepseek-v3-small --device cuda --batch 1 8 32 64 \
+        --prompt-len 4096 --backend torch triton
 
 Each batch size: B prompts of --prompt-len tokens are prefilled (untimed), then
 --steps decode steps of all B sequences are timed, one forward per step (greedy), as the
-server runs them (the persistent input batch; CUDA graphs on CUDA with the Triton backend).
+server runs them (the persistent input batch; CUDA graphs on CUDA). Several --backend names
+run one after the other on the same loaded model, a table row per (backend, batch).
 Rooflines: the fastest a decode step can be if it only had to read the weights once
 (weight bytes / measured copy bandwidth), and counting the KV read too (weights + B x the
 mean context x KV bytes per token). --peer-hf runs transformers' `generate` with a static
@@ -159,7 +162,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--backend", default="auto", help="attention backend: auto, torch, triton")
+    ap.add_argument(
+        "--backend", nargs="+", default=["auto"], help="attention backends: auto, torch, triton"
+    )
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--roofline", action="store_true", help="measure copy bandwidth (GPU)")
     ap.add_argument("--peer-hf", action="store_true", help="transformers static-cache peer")
@@ -191,22 +196,13 @@ def main() -> None:
     bs = 16
     per_seq = -(-(args.prompt_len + args.steps + 2) // bs)
     num_blocks = max(per_seq * max(args.batch), -(-args.prefill // bs)) + 1
-    runner = ModelRunner(
-        loaded,
-        num_blocks=num_blocks,
-        block_size=bs,
-        backend=args.backend,
-        cuda_graphs=not args.no_cuda_graphs,
-        max_decode_batch=max(64, max(args.batch)),
-    )
     bandwidth = copy_bandwidth(device) if args.roofline else None
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    graphs = "on" if runner.graphs is not None else "off"
     print(
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
-        f"attention {runner.backend.name}, CUDA graphs {graphs}, blas {args.blas}, "
+        f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {args.blas}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )
@@ -216,21 +212,31 @@ def main() -> None:
             f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s → weight-read floor "
             f"{read_bytes / bandwidth * 1e3:.2f} ms/step"
         )
-    rows = []
-    for b in args.batch:
-        rows.append((b, bench_batch(runner, b, args.prompt_len, args.steps)))
-        print(f"# batch {b}: {rows[-1][1]:.1f} tok/s", flush=True)
-    prefill_s = (
-        bench_prefill(runner, args.prefill, args.prefill_chunk or args.prefill)
-        if (args.prefill)
-        else None
-    )
-    del runner
+    rows = []  # (attention backend, batch, tok/s)
+    prefill_s = None
+    for backend in args.backend:
+        runner = ModelRunner(
+            loaded,
+            num_blocks=num_blocks,
+            block_size=bs,
+            backend=backend,
+            cuda_graphs=not args.no_cuda_graphs,
+            max_decode_batch=max(64, max(args.batch)),
+        )
+        for b in args.batch:
+            rows.append(
+                (runner.backend.name, b, bench_batch(runner, b, args.prompt_len, args.steps))
+            )
+            print(f"# {rows[-1][0]} batch {b}: {rows[-1][2]:.1f} tok/s", flush=True)
+        if args.prefill and prefill_s is None:
+            prefill_s = bench_prefill(runner, args.prefill, args.prefill_chunk or args.prefill)
+        del runner
+        gc.collect()
     peer: dict[int, float] = {}
     if args.peer_hf:
         peer = run_peer(args, loaded, device, dtype)
-    header = "| batch | ds4pool tok/s | ms/step |"
-    sep = "|---:|---:|---:|"
+    header = "| attention | batch | ds4pool tok/s | ms/step |"
+    sep = "|---|---:|---:|---:|"
     if peer:
         header += " transformers static cache tok/s | ds4pool / transformers |"
         sep += "---:|---:|"
@@ -240,8 +246,8 @@ def main() -> None:
     print(header)
     print(sep)
     mean_ctx = args.prompt_len + args.steps / 2
-    for b, tps in rows:
-        row = f"| {b} | {tps:.1f} | {b / tps * 1e3:.2f} |"
+    for backend, b, tps in rows:
+        row = f"| {backend} | {b} | {tps:.1f} | {b / tps * 1e3:.2f} |"
         if peer:
             row += f" {peer[b]:.1f} | {tps / peer[b]:.2f}x |"
         if bandwidth:

@@ -28,6 +28,7 @@ import torch
 from ds4pool.errors import ContextLengthError
 from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
 from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
+from ds4pool.model.attention_mla_triton import TritonMLAAttention
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
 from ds4pool.model.cuda_graphs import MODES, CaptureReport, StepGraphs, default_buckets
 from ds4pool.model.grammar import apply_token_bitmask
@@ -88,24 +89,17 @@ class Launched:
 def select_backend(
     name: str, device: torch.device, kv_kind: str = "kv"
 ) -> AttentionBackend | MLABackend:
-    """ "auto": Triton on CUDA where triton imports, else the torch reference. Latent
-    attention (kv_kind "mla") has only the torch reference so far."""
-    if kv_kind == "mla":
-        if name not in ("auto", "torch"):
-            raise ValueError(
-                f"the {name!r} attention backend has no multi-head latent attention kernel; "
-                "use auto or torch"
-            )
-        return TorchMLAAttention()
+    """ "auto": Triton on CUDA where triton imports, else the torch reference; for latent
+    attention (kv_kind "mla") the same choice between its own two backends."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if name == "triton":
-        if device.type != "cuda" or not triton_available():
-            raise ValueError("the triton attention backend needs CUDA and the triton package")
-        return TritonPagedAttention()
-    if name == "torch":
-        return TorchPagedAttention()
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
+    if name not in ("triton", "torch"):
+        raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
+    if name == "triton" and (device.type != "cuda" or not triton_available()):
+        raise ValueError("the triton attention backend needs CUDA and the triton package")
+    if kv_kind == "mla":
+        return TritonMLAAttention() if name == "triton" else TorchMLAAttention()
+    return TritonPagedAttention() if name == "triton" else TorchPagedAttention()
 
 
 class ModelRunner:
@@ -140,7 +134,9 @@ class ModelRunner:
         self.backend = select_backend(backend, self.device, kv_kind)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
-            set_backend(self.backend, TritonOps() if self.backend.name == "triton" else TorchOps())
+            # the fused elementwise kernels go with either Triton attention backend
+            fused = self.backend.name in ("triton", "triton-mla")
+            set_backend(self.backend, TritonOps() if fused else TorchOps())
         self.sampler = Sampler(self.device)
         self._readback: torch.Tensor | None = None  # pinned [>= R] int64: sampled ids (CUDA)
         self._launched = False  # a launched step not waited yet

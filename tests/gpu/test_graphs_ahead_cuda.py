@@ -146,15 +146,21 @@ def decode_trace(r: ModelRunner, vocab: int, forced: list[list[int]] | None) -> 
     return tokens, logits
 
 
-def test_mla_decode_steps_replay_graphs_equal_to_eager() -> None:
-    """DeepSeek-V3's latent attention (torch reference) decodes through CUDA graphs: bf16,
-    the MoE layers on the grouped path."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mla_decode_steps_replay_graphs_equal_to_eager(backend: str) -> None:
+    """DeepSeek-V3's latent attention (the torch reference, the Triton kernel) decodes through
+    CUDA graphs: bf16, the MoE layers on the grouped path."""
     loaded = load_model("random:deepseek-v3-tiny", torch.device("cuda"), torch.bfloat16)
     vocab = loaded.config.vocab_size
-    eager = ModelRunner(loaded, num_blocks=256, max_decode_batch=8, cuda_graphs="eager")
+    eager = ModelRunner(
+        loaded, num_blocks=256, max_decode_batch=8, backend=backend, cuda_graphs="eager"
+    )
+    assert eager.backend.name == f"{backend}-mla"
     e_tokens, e_logits = decode_trace(eager, vocab, None)
     del eager
-    graphed = ModelRunner(loaded, num_blocks=256, max_decode_batch=8, cuda_graphs="ahead")
+    graphed = ModelRunner(
+        loaded, num_blocks=256, max_decode_batch=8, backend=backend, cuda_graphs="ahead"
+    )
     report = graphed.capture_graphs(300.0)
     assert graphed.graphs is not None and graphed.mixed is None  # decode graphs only
     assert report is not None and report.pending == 0 and report.captured >= 4

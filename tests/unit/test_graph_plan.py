@@ -152,3 +152,10 @@ def test_deepseek_v3_decode_is_graphable_where_its_experts_run_sync_free() -> No
     assert TorchMLAAttention.supports_cuda_graphs and TorchMLAAttention.graph_gather_tokens
     # no mixed-step graphs for the reference: its prompt chunks are sliced by host lists
     assert not hasattr(TorchMLAAttention, "graph_prefill_partitions")
+    # the Triton backend runs prompt chunks on the reference too, but gathers no context in
+    # decode: decode graphs at any width
+    from ds4pool.model.attention_mla_triton import TritonMLAAttention
+
+    assert TritonMLAAttention.supports_cuda_graphs
+    assert not hasattr(TritonMLAAttention, "graph_prefill_partitions")
+    assert not hasattr(TritonMLAAttention, "graph_gather_tokens")

@@ -55,10 +55,14 @@ def test_random_init_fills_the_router_bias_deterministically() -> None:
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_mla_refuses_a_backend_without_an_mla_kernel() -> None:
-    with pytest.raises(ValueError, match="no multi-head latent attention kernel"):
-        select_backend("triton", torch.device("cpu"), "mla")
+def test_mla_backend_choice_follows_the_dense_one() -> None:
+    # auto: the torch reference off CUDA (TritonMLAAttention on CUDA: tests/gpu)
     assert select_backend("auto", torch.device("cpu"), "mla").name == "torch-mla"
+    assert select_backend("torch", torch.device("cpu"), "mla").name == "torch-mla"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        select_backend("triton", torch.device("cpu"), "mla")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_backend("flash", torch.device("cpu"), "mla")
 
 
 def test_yarn_rope_is_accepted_for_deepseek_only() -> None:
