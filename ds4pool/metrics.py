@@ -217,8 +217,8 @@ class Metrics:
         self.prefill_work_seconds = Gauge(
             "ds4pool_prefill_seconds_per_work",
             "Measured seconds per token-equivalent of prompt work in steps next to decoders "
-            "(EWMA, the decode step's share taken out), that --itl-budget-factor sizes "
-            "chunks with. 0 until measured.",
+            "(EWMA, the decode step's share taken out; until the first, in prompt-only steps), "
+            "that --itl-budget-factor sizes chunks with. 0 until measured.",
             registry=r,
         )
         self.step_host = Histogram(

@@ -6,7 +6,8 @@ it joins lasts. Both are learnt here, online, from the StepSamples the worker al
 (Sarathi-Serve's idea: the token budget follows from the inter-token latency one will pay):
 
     decode_s(rows)  EWMA of a decode-only step's seconds, per number of decode rows
-    s_per_work      EWMA over mixed steps of (seconds - decode_s(rows)) / prompt work
+    s_per_work      EWMA over mixed steps of (seconds - decode_s(rows)) / prompt work;
+                    until the first mixed step, seconds / work of prompt-only steps
 
 While sequences decode, a step's prompt work is at most
 
@@ -15,9 +16,13 @@ While sequences decode, a step's prompt work is at most
 so a mixed step lasts about `factor` decode steps: its decoders' ITL is <= factor x their ITL
 without the prompt. `cap` is the work cap of that step (--max-prefill-cost, lowered by
 --prefill-decode-ratio); `floor` keeps a prompt advancing (PrefillCost.chunk also lets a
-step's first chunk take min_chunk tokens whatever the budget). Until both rates are measured
-for the step's decode rows, the cap applies unchanged, as it does with no decoders (the
-scheduler then sets no work budget at all) and with factor 0 (off).
+step's first chunk take min_chunk tokens whatever the budget). Until a decode-only step and
+a step with prompt work are measured, the cap applies unchanged, as it does with no decoders
+(the scheduler then sets no work budget at all) and with factor 0 (off). A prompt-only step
+(larger chunks, no decoders) runs its work faster per unit than a chunk next to decoders: its
+rate is only the first guess, so that the first mixed step does not take the whole cap (one
+such step is 8 of a decoder's gaps at once: the p99 of a short prefill); the first mixed step
+replaces it.
 
 A fixed overhead per mixed step (a prefill launch) makes small chunks look expensive per unit;
 the budget still settles where a step lasts factor x decode_s: at W, the next budget is
@@ -58,11 +63,16 @@ class StepTime:
         self.alpha = alpha
         self._decode: dict[int, Ewma] = {}  # decode rows → decode-only step seconds
         self._per_work = Ewma(0.0, alpha)  # seconds per token-equivalent of prompt work
+        self._alone = Ewma(0.0, alpha)  # ... in prompt-only steps: the first guess
 
     def observe(self, sample: StepSample) -> None:
         rows = sample.num_decode_rows
-        if sample.seconds < MIN_SECONDS or rows == 0:
-            return  # a prompt-only step's chunks run at a size no mixed step takes
+        if sample.seconds < MIN_SECONDS:
+            return
+        if rows == 0:
+            if sample.prefill_work > 0:
+                self._alone.observe(sample.seconds / sample.prefill_work)
+            return
         if sample.num_prefill_tokens == 0:
             self._decode.setdefault(rows, Ewma(0.0, self.alpha)).observe(sample.seconds)
             return
@@ -84,7 +94,11 @@ class StepTime:
 
     @property
     def seconds_per_work(self) -> float | None:
-        return self._per_work.value if self._per_work.measured else None
+        """Measured next to decoders, else in prompt-only steps; None before either."""
+        for rate in (self._per_work, self._alone):
+            if rate.measured:
+                return rate.value
+        return None
 
     def budget(self, decode_rows: int, cap: float, floor: float) -> float:
         """Prompt work for a step next to `decode_rows` decoders: cap when off or unmeasured,

@@ -70,22 +70,33 @@ def test_no_decoders_or_factor_zero_is_the_cap() -> None:
     assert off.budget(8, 112.0, FLOOR) == 112.0  # whatever the cap the step computed
 
 
-def test_decode_time_per_rows_and_what_is_ignored() -> None:
+def test_decode_time_per_rows_and_the_decoders_share_taken_out() -> None:
     t = StepTime(2.0, alpha=1.0)
     t.observe(decode(4, 8 * MS))
     t.observe(decode(16, 20 * MS))
     assert t.decode_s(4) == pytest.approx(8 * MS)
     assert t.decode_s(5) == pytest.approx(8 * MS)  # the nearest measured row count
     assert t.decode_s(10) == pytest.approx(20 * MS)  # a tie: the larger (the slower)
-    t.observe(StepSample(2048, 0, 0.5, prefill_work=2100))  # prompt alone: another size
     t.observe(decode(4, 1e-6))  # timer noise
-    assert t.seconds_per_work is None and t.decode_s(4) == pytest.approx(8 * MS)
+    assert t.decode_s(4) == pytest.approx(8 * MS)
     # the decode part is taken out of a mixed step by its own row count
     t.observe(mixed(16, 40 * MS, 100))
     assert t.seconds_per_work == pytest.approx(0.2 * MS)
     # a step measured faster than its decode estimate: at least a tenth is the prompt's
     t.observe(mixed(16, 10 * MS, 100))
     assert t.seconds_per_work == pytest.approx(0.01 * MS)
+
+
+def test_a_prompt_only_step_is_the_first_guess_until_a_mixed_one() -> None:
+    t = StepTime(2.5)
+    t.observe(decode(8, 10 * MS))
+    t.observe(StepSample(2048, 0, 0.21, prefill_work=2100))  # a lone prompt: 0.1 ms a unit
+    assert t.seconds_per_work == pytest.approx(0.1 * MS)
+    assert t.budget(8, CAP, FLOOR) == pytest.approx(150)  # 1.5 x 10 ms / 0.1 ms, not the cap
+    t.observe(mixed(8, 50 * MS, 100))  # next to decoders: 0.4 ms a unit, replaces the guess
+    assert t.seconds_per_work == pytest.approx(0.4 * MS)
+    t.observe(StepSample(2048, 0, 0.21, prefill_work=2100))  # a lone prompt no longer counts
+    assert t.budget(8, CAP, FLOOR) == pytest.approx(37.5)
 
 
 @pytest.mark.parametrize("factor", [-1.0, 0.5, 1.0])
