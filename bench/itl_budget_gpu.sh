@@ -1,5 +1,5 @@
 #!/bin/bash
-# --itl-budget-factor on the H200, one device call (~8 min): bench/sched.py part 2 (a 16k
+# --itl-budget-factor on the H200, one device call (~9 min): bench/sched.py part 2 (a 16k
 # prompt next to 8 decoders, default work cap 896) with the factor off / 2 / 2.5 / 3, then
 # the 32-agent workload (ds4pool bench agents, the server of docs/BENCHMARKS.md run D) with
 # the factor off vs 2.5, for the tok/s and resumed-turn cost.
@@ -11,6 +11,10 @@ set -u
 OUT=${OUT:-/tmp/itl_budget}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# the factor is on by default on CUDA: the graphs-ahead test's 16k prefill next to decoders
+# must still replay graphs only (smaller chunks, the same buckets)
+timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider -rfE tests/gpu/test_graphs_ahead_cuda.py \
+  > "$OUT/graphs_ahead_tests.log" 2>&1; tail -2 "$OUT/graphs_ahead_tests.log"; echo "tests at $SECONDS s"
 timeout 240 python3 bench/sched.py --model random:llama3-8b --device cuda --dtype bfloat16 \
   --parts 2 --max-prefill-tokens 512 --max-prefill-cost 896 --itl-budget-factor 0 2 2.5 3 0 2.5 \
   --no-baselines > "$OUT/sched_itl.log" 2>&1
