@@ -35,7 +35,10 @@ one chunk per step next to the decodes) and at a large value (no chunking: one s
 computes the whole prompt while the decoders wait), and at --max-batch-tokens with each
 --max-prefill-tokens cap (prompt tokens per step while someone decodes; the first row has
 the cap at max_batch_tokens, i.e. none) and each --max-prefill-cost (the work cap,
-sched/prefill_cost.py; 0 = off; the first and last rows have none). "before" is the
+sched/prefill_cost.py; 0 = off; the first and last rows have none) and each
+--itl-budget-factor (sched/step_time.py: the work cap lowered to what keeps a mixed step
+within that x a decode step, from measured step times; 0 = off; --no-baselines drops the
+first and last rows). "before" is the
 decoders' ITL before the long prompt arrived; "long TTFT" is what chunking costs the long
 prompt itself. "graphs" counts the CUDA graphs captured, and the steps run eagerly for want
 of one, while the long prompt was prefilled (--cuda-graphs ahead captures at engine
@@ -72,6 +75,7 @@ from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.sampler import SamplingParams  # noqa: E402
 from ds4pool.sched.prefill_cost import DEFAULTS as PREFILL_COST  # noqa: E402
 from ds4pool.sched.request import Request, RequestStream  # noqa: E402
+from ds4pool.sched.step_time import FACTOR_DEFAULTS  # noqa: E402
 
 TENANT = "bench"
 GREEDY = SamplingParams(temperature=0.0)
@@ -322,6 +326,7 @@ class PrefillResult:
     max_batch_tokens: int
     max_prefill_tokens: int
     max_prefill_cost: int  # 0: no work cap
+    itl_budget_factor: float  # 0: off
     long_ttft: float
     steps: int  # worker steps between the long prompt's submission and its first token
     during: list[float]  # decoder gaps overlapping the long prompt's prefill
@@ -373,6 +378,7 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
         max_batch_tokens=engine.cfg.max_batch_tokens,
         max_prefill_tokens=engine.scheduler.cfg.max_prefill_tokens,
         max_prefill_cost=cost.budget if (cost := engine.scheduler.cfg.prefill_cost) else 0,
+        itl_budget_factor=engine.scheduler.cfg.itl_budget_factor,
         long_ttft=t_first - t_long,
         steps=steps,
         during=[b - a for a, b in gaps if b > t_long and a < t_first],
@@ -386,39 +392,50 @@ def run_prefill(engine: Engine, args: argparse.Namespace) -> PrefillResult:
 def part2(loaded: LoadedModel, args: argparse.Namespace) -> None:
     big = max(args.no_chunk_tokens, args.long_prompt + args.decoders)
     mbt = args.max_batch_tokens
-    # (max_batch_tokens, max_prefill_tokens, max_prefill_cost): chunks of the whole budget
-    # (no prefill cap), each cap x work cap asked for, and no chunking at all
-    configs = [(mbt, mbt, 0)]
+    # (max_batch_tokens, max_prefill_tokens, max_prefill_cost, itl_budget_factor): chunks of
+    # the whole budget (no prefill cap), each cap x work cap x factor asked for, no chunking
+    configs = [] if args.no_baselines else [(mbt, mbt, 0, 0.0)]
     configs += [
-        (mbt, cap, cost) for cap in args.max_prefill_tokens for cost in args.max_prefill_cost
+        (mbt, cap, cost, f)
+        for cap in args.max_prefill_tokens
+        for cost in args.max_prefill_cost
+        for f in args.itl_budget_factor
     ]
-    configs += [(big, big, 0)]
+    configs += [] if args.no_baselines else [(big, big, 0, 0.0)]
     results = []
-    for tokens, cap, cost in configs:
+    for tokens, cap, cost, factor in configs:
         # one engine at a time: the long prompt's activations are the largest allocation
-        over = {"max_batch_tokens": tokens, "max_prefill_tokens": cap, "max_prefill_cost": cost}
+        over = {
+            "max_batch_tokens": tokens,
+            "max_prefill_tokens": cap,
+            "max_prefill_cost": cost,
+            "itl_budget_factor": factor,
+        }
         with engines(loaded, args, {"x": over}) as made:
             res = run_prefill(made["x"], args)
         results.append(res)
         log(
             f"max_batch_tokens {tokens:6d}, max_prefill_tokens {cap:6d}, max_prefill_cost "
-            f"{cost:5d}: long TTFT {res.long_ttft:.2f} s, {res.steps} steps"
+            f"{cost:5d}, itl_budget_factor {factor:g}: long TTFT {res.long_ttft:.2f} s, "
+            f"{res.steps} steps"
         )
     print(
         f"\n### Decoders' inter-token latency during a {args.long_prompt}-token prefill "
         f"({args.decoders} decoders, {args.prompt_len}-token prompts; ms)\n"
     )
     print(
-        "| max_batch_tokens | max_prefill_tokens | max_prefill_cost | long prompt TTFT "
+        "| max_batch_tokens | max_prefill_tokens | max_prefill_cost | itl_budget_factor "
+        "| long prompt TTFT "
         "| steps during prefill | ITL p50 during | ITL p99 during | ITL max during "
         "| tokens per decoder during | ITL p50 before | p99 during / p50 before "
         "| graphs captured / eager misses during |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         before = percentile(r.before, 50)
         print(
             f"| {r.max_batch_tokens} | {r.max_prefill_tokens} | {r.max_prefill_cost or 'off'} "
+            f"| {f'{r.itl_budget_factor:g}' if r.itl_budget_factor else 'off'} "
             f"| {ms(r.long_ttft)} | {r.steps} "
             f"| {ms(percentile(r.during, 50))} | {ms(percentile(r.during, 99))} "
             f"| {ms(max(r.during))} | {r.tokens:.1f} | {ms(before)} "
@@ -459,6 +476,18 @@ def parse_args() -> argparse.Namespace:
         help="part 2: work caps to compare, 0 = off (default: 896 on CUDA, 112 on CPU)",
     )
     ap.add_argument(
+        "--itl-budget-factor",
+        type=float,
+        nargs="+",
+        help="part 2: ITL budget factors to compare, 0 = off (default: the device's, "
+        "sched/step_time.py FACTOR_DEFAULTS)",
+    )
+    ap.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="part 2: only the rows asked for (no 'no prefill cap' and 'no chunking' rows)",
+    )
+    ap.add_argument(
         "--cuda-graphs",
         choices=["ahead", "lazy", "eager"],
         default="ahead",
@@ -485,6 +514,7 @@ def resolve(args: argparse.Namespace, loaded: LoadedModel) -> None:
     args.prompt_len = args.prompt_len or prompt
     args.max_prefill_tokens = args.max_prefill_tokens or [PREFILL_TOKENS[kind]]
     args.max_prefill_cost = args.max_prefill_cost or [PREFILL_COST[kind][1]]
+    args.itl_budget_factor = args.itl_budget_factor or [FACTOR_DEFAULTS[kind]]
     args.gen_len = args.gen_len or gen
     args.long_prompt = args.long_prompt or long
     args.vocab = min(loaded.tokenizer.vocab_size, loaded.config.vocab_size)

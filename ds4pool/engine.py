@@ -26,6 +26,7 @@ from ds4pool.sched.prefill_cost import RATIO_DEFAULTS, PrefillCost
 from ds4pool.sched.queue import QueueConfig
 from ds4pool.sched.request import Request, RequestStream
 from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserver
+from ds4pool.sched.step_time import FACTOR_DEFAULTS, check_factor
 from ds4pool.sched.worker import Worker
 
 GB = 1 << 30
@@ -74,6 +75,9 @@ class EngineConfig:
     # ... and at most this x the decoders' own work (compute-bound devices: a mixed step
     # costs ~(1 + ratio) x a decode step); None: by device (off everywhere, measured); 0: off.
     prefill_decode_ratio: float | None = None
+    # ... and at most what keeps a mixed step within this x the decode step it joins, from
+    # measured step times (sched/step_time.py); None: by device (FACTOR_DEFAULTS); 0: off.
+    itl_budget_factor: float | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
     # write a step's results back while the device runs the next one (sched/worker.py):
@@ -113,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}")
         if self.prefill_decode_ratio is not None and not self.prefill_decode_ratio >= 0:
             raise ValueError("prefill_decode_ratio must be >= 0 (0: no relative cap)")
+        if self.itl_budget_factor is not None:
+            check_factor(self.itl_budget_factor)
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
@@ -162,6 +168,12 @@ def prefill_cost(
     if cfg.prefill_decode_ratio is not None:
         ratio = cfg.prefill_decode_ratio
     return PrefillCost(scale, budget, chunk_sizes, decode_ratio=ratio, decode_row=row)
+
+
+def itl_budget_factor(cfg: EngineConfig, device: torch.device) -> float:
+    if cfg.itl_budget_factor is not None:
+        return cfg.itl_budget_factor
+    return FACTOR_DEFAULTS.get(device.type, FACTOR_DEFAULTS["cpu"])
 
 
 def device_kv_bytes(cfg: EngineConfig, device: torch.device) -> int:
@@ -233,6 +245,7 @@ class Engine:
                 max_batch_tokens=cfg.max_batch_tokens,
                 max_prefill_tokens=prefill_tokens(cfg, loaded.device),
                 prefill_cost=prefill_cost(cfg, loaded.device, self.runner.graph_chunk_sizes),
+                itl_budget_factor=itl_budget_factor(cfg, loaded.device),
                 max_batch_size=cfg.max_batch_size,
                 serialized=cfg.no_batching,
                 session_wait_s=cfg.session_wait_s,

@@ -90,6 +90,8 @@ RESTORE_BUCKETS = (
 )  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 … 16384
+# prompt work budgets (token-equivalents): the floor (16) … the CUDA cap (896) and above
+WORK_BUDGET_BUCKETS = (16.0, 32.0, 64.0, 112.0, 128.0, 256.0, 512.0, 896.0, 1024.0, 2048.0)
 
 # ---------------------------------------------------------------- label value sets
 
@@ -205,6 +207,20 @@ class Metrics:
             registry=r,
         )
 
+        self.prefill_budget = Histogram(
+            "ds4pool_prefill_work_budget",
+            "Prompt work one step next to decoders was allowed, in token-equivalents "
+            "(--max-prefill-cost, lowered by --prefill-decode-ratio and --itl-budget-factor).",
+            buckets=WORK_BUDGET_BUCKETS,
+            registry=r,
+        )
+        self.prefill_work_seconds = Gauge(
+            "ds4pool_prefill_seconds_per_work",
+            "Measured seconds per token-equivalent of prompt work in steps next to decoders "
+            "(EWMA, the decode step's share taken out; until the first, in prompt-only steps), "
+            "that --itl-budget-factor sizes chunks with. 0 until measured.",
+            registry=r,
+        )
         self.step_host = Histogram(
             "ds4pool_step_host_seconds",
             "Host time of one step outside the forward: planning the batch and writing back "
@@ -511,6 +527,9 @@ class MetricsSchedulerObserver(SchedulerObserver):
         self.m.step_duration.observe(seconds)
         self.m.step_host.observe(host_seconds)
 
+    def prefill_budget(self, work: float) -> None:
+        self.m.prefill_budget.observe(work)
+
     def admitted(self, queue_wait_s: float) -> None:
         self.m.queue_wait.observe(queue_wait_s)
 
@@ -616,6 +635,8 @@ def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     metrics.tier_read_rate.labels("ram").set(rates.ram_bytes_per_s)
     metrics.tier_read_rate.labels("disk").set(rates.disk_bytes_per_s)
     metrics.prefill_rate.set(rates.prefill_tokens_per_s)
+    # a float written by the worker thread: reading it needs no lock
+    metrics.prefill_work_seconds.set(sched.step_time.seconds_per_work or 0.0)
 
 
 def render(metrics: Metrics, engine: Engine | None = None) -> bytes:

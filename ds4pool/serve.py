@@ -114,6 +114,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--itl-budget-factor",
+        type=float,
+        default=None,
+        help="while others decode, a step's prompt work is also at most what keeps the step "
+        "within this x a decode step, from measured step times (default: 2.5 on CUDA, off "
+        "on CPU and MPS; 0: off; else > 1)",
+    )
+    _flag(
+        g,
         "--prefill-cost-scale",
         type=int,
         default=None,
@@ -295,6 +304,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             max_prefill_cost=args.max_prefill_cost,
             prefill_cost_scale=args.prefill_cost_scale,
             prefill_decode_ratio=args.prefill_decode_ratio,
+            itl_budget_factor=args.itl_budget_factor,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             overlap=args.overlap,

@@ -60,6 +60,9 @@ class StepSample:
     num_prefill_tokens: int
     num_decode_rows: int
     seconds: float
+    # the prompt tokens' work in PrefillCost token-equivalents (sched/prefill_cost.py); 0:
+    # not modelled (no work cap). sched/step_time.py learns seconds per unit from it.
+    prefill_work: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,9 @@ class RestoreDecision:
     recompute_s: float
 
 
-class _Ewma:
+class Ewma:
+    """An exponentially weighted mean with a prior (also sched/step_time.py's)."""
+
     def __init__(self, prior: float, alpha: float) -> None:
         self.value, self.alpha, self.measured = prior, alpha, False
 
@@ -98,13 +103,13 @@ class RestoreCost:
         self.priors = p = priors or CostPriors()
         self._lock = threading.Lock()
         self._read = {
-            "ram": _Ewma(p.ram_bytes_per_s, p.alpha),
-            "disk": _Ewma(p.disk_bytes_per_s, p.alpha),
+            "ram": Ewma(p.ram_bytes_per_s, p.alpha),
+            "disk": Ewma(p.disk_bytes_per_s, p.alpha),
         }
-        self._prefill = _Ewma(p.prefill_tokens_per_s, p.alpha)
+        self._prefill = Ewma(p.prefill_tokens_per_s, p.alpha)
         # seconds of a step with decode rows only: subtracted from a mixed step so that the
         # prefill rate is the marginal cost of prompt tokens, not the decoders' share
-        self._decode_step = _Ewma(0.0, p.alpha)
+        self._decode_step = Ewma(0.0, p.alpha)
 
     # ------------------------------------------------------------ measurements
 

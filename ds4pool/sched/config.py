@@ -17,6 +17,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     # ... and at most this much prompt work (tokens weighted by their context); None: off
     prefill_cost: PrefillCost | None = None
+    # ... lowered so that a mixed step lasts <= this x a decode step, from measured step
+    # times (sched/step_time.py; needs prefill_cost); 0: off
+    itl_budget_factor: float = 0.0
     max_batch_size: int = 64
     serialized: bool = False  # --no-batching: one request at a time, one live session
     session_wait_s: float = 120.0  # how long a request may wait for its busy session
@@ -29,6 +32,9 @@ class SchedulerObserver:
     def step(
         self, batch_size: int, num_tokens: int, seconds: float, host_seconds: float = 0.0
     ) -> None: ...
+
+    def prefill_budget(self, work: float) -> None:
+        """The prompt work (token-equivalents) a step next to decoders was allowed."""
 
     def admitted(self, queue_wait_s: float) -> None: ...
 

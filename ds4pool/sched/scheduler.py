@@ -6,11 +6,12 @@ A step takes one token from each request that is decoding, then prompt chunks of
 running and newly admitted requests, under `max_batch_tokens` and `max_batch_size`.
 While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
 `prefill_cost`, a budget of work that counts their attention over the context
-(sched/prefill_cost.py): a step's length is set by its prefill work, and every decoder waits
-for the whole step. This module decides who runs, reserves blocks, preempts and finishes;
-a waiting request is made ready by sched/admission.py, a step's rows are sized and assembled
-by sched/step.py, its results are written back by sched/writeback.py (in two halves, so the
-worker can overlap the second with the next step).
+(sched/prefill_cost.py), lowered to what a decoder's ITL affords by sched/step_time.py: a
+step's length is set by its prefill work, and every decoder waits for the whole step. This
+module decides who runs, reserves blocks, preempts and finishes; a waiting request is made
+ready by sched/admission.py, a step's rows are sized and assembled by sched/step.py, its
+results are written back by sched/writeback.py (in two halves, so the worker can overlap
+the second with the next step).
 
 Locks: `self.lock` guards the waiting queue (submissions only ever take it); the
 running list is the worker thread's alone. The engine lock (stage 3) is the worker's.
@@ -23,6 +24,7 @@ import threading
 import time
 
 from ds4pool.errors import Ds4poolError, OutOfBlocksError
+from ds4pool.kv.cost import StepSample
 from ds4pool.kv.lease import BlocksNeverFitError
 from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
@@ -34,6 +36,7 @@ from ds4pool.sched.queue import FairQueue
 from ds4pool.sched.request import Event, QueueFullError, Request, RequestStream, State
 from ds4pool.sched.seq import Seq
 from ds4pool.sched.step import Step
+from ds4pool.sched.step_time import StepTime
 from ds4pool.sched.writeback import Pending, Writeback
 
 MAX_PRIORITY = (1 << 31) - 1  # |priority| bound; lower runs first
@@ -64,6 +67,7 @@ class Scheduler:
         self.writeback = Writeback(
             frozenset(self.tokenizer.eos_token_ids), self.observer, self._finish
         )
+        self.step_time = StepTime(cfg.itl_budget_factor)  # the worker's thread only
 
     def close(self) -> None:
         """Stop the helper threads of stage 1 (after the worker has stopped)."""
@@ -119,9 +123,14 @@ class Scheduler:
         )
         if step.seqs:  # someone decodes: prompt chunks share the smaller prefill budget
             budget = min(budget, self.cfg.max_prefill_tokens)
-            if self.cfg.prefill_cost is not None:  # decoders' KV: before this step's token
-                contexts = [s.num_computed for s in step.seqs]
-                step.work_left = self.cfg.prefill_cost.step_budget(contexts)
+            cost = self.cfg.prefill_cost
+            if cost is not None:  # decoders' KV: before this step's token
+                cap = cost.step_budget([s.num_computed for s in step.seqs])
+                # ... and what a decoder's ITL affords, from measured step times
+                step.work_left = self.step_time.budget(
+                    len(step.seqs), cap, cost.cost(0, cost.min_chunk)
+                )
+                self.observer.prefill_budget(step.work_left)
         budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
         self._admit(step, budget)
         return step if step.seqs else None
@@ -245,6 +254,11 @@ class Scheduler:
 
     # stage 4 is sched/writeback.py's; the worker calls these (the overlapped loop splits
     # a step's writeback around the next launch: advance, schedule + launch, settle)
+
+    def observe_step(self, sample: StepSample) -> None:
+        """A step's measured cost: the restore-vs-recompute rates and the ITL budget's."""
+        self.pool.cost.observe_step(sample)
+        self.step_time.observe(sample)
 
     def process(self, step: Step, out: StepOutput) -> None:
         """The whole writeback of a step, nothing in flight (the synchronous loop)."""

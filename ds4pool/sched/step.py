@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ds4pool.kv.cost import StepSample
 from ds4pool.model.runner import SeqInput
 from ds4pool.sched.prefill_cost import PrefillCost
 from ds4pool.sched.seq import Seq
@@ -38,6 +39,19 @@ class Step:
         self.work_left -= cost.cost(seq.num_computed, n)
         self.prompt_chunks += 1
         return n
+
+    def sample(self, seconds: float, cost: PrefillCost | None) -> StepSample:
+        """What the step cost, for kv/cost.py and sched/step_time.py: decode rows (one token
+        of a sequence that has output) vs prompt (or recomputed) tokens and their work."""
+        rows, tokens, work = 0, 0, 0.0
+        for seq, inp, n in zip(self.seqs, self.inputs, self.counts):
+            if n == 1 and seq.output_ids:
+                rows += 1
+                continue
+            tokens += n
+            if cost is not None:
+                work += cost.cost(inp.num_computed, n)
+        return StepSample(tokens, rows, seconds, work)
 
     def add(self, seq: Seq, n: int, bitmask: torch.Tensor | None) -> None:
         """Appends seq's next n tokens as one row of the batch (it samples when they end its

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ds4pool.kv.cost import StepSample
 from ds4pool.model.runner import Launched
 from ds4pool.sched.scheduler import Scheduler
 from ds4pool.sched.step import Step
@@ -144,7 +143,6 @@ class Worker:
                 sched.wakeup.wait(0.005)
             return
         _check_sessions(step)
-        rows = _decode_rows(step)
         t0 = time.perf_counter()
         try:
             with self.engine_lock:
@@ -154,7 +152,7 @@ class Worker:
             sched.fail(step, exc)
             return
         t1 = time.perf_counter()
-        sched.pool.cost.observe_step(StepSample(sum(step.counts) - rows, rows, t1 - t0))
+        sched.observe_step(step.sample(t1 - t0, sched.cfg.prefill_cost))
         sched.process(step, out)
         self.steps += 1
         self._idle_left = self._idle is not None  # the step may have left idle work
@@ -179,8 +177,7 @@ class Worker:
             else:
                 t_ready = time.perf_counter()
                 step_s = t_ready - prev.t0  # launch → results: the device's step, mostly
-                rows = _decode_rows(prev.step)
-                sched.pool.cost.observe_step(StepSample(sum(prev.step.counts) - rows, rows, step_s))
+                sched.observe_step(prev.step.sample(step_s, sched.cfg.prefill_cost))
                 sched.finish_late()  # before advance: their rows of prev are discarded
                 pending = sched.advance(prev.step, out)
                 self.steps += 1
@@ -208,12 +205,6 @@ class Worker:
                 # Work exists but cannot run now (a busy session, no free blocks): poll.
                 with sched.wakeup:
                     sched.wakeup.wait(0.005)
-
-
-def _decode_rows(step: Step) -> int:
-    """Rows that decode one token; the rest of the step's tokens are prompt (or recomputed)
-    KV: the prefill rate of the restore-vs-recompute decision (kv/cost.py)."""
-    return sum(1 for seq, n in zip(step.seqs, step.counts) if n == 1 and seq.output_ids)
 
 
 def _check_sessions(step: Step) -> None:

@@ -64,3 +64,14 @@ def test_prefill_decode_ratio_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_config(["--prefill-decode-ratio", "2"]).engine.prefill_decode_ratio == 2
     with pytest.raises(Ds4poolError, match="prefill_decode_ratio must be >= 0"):
         serve_config(["--prefill-decode-ratio", "-1"])
+
+
+def test_itl_budget_factor_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DS4POOL_ITL_BUDGET_FACTOR", raising=False)
+    assert serve_config([]).engine.itl_budget_factor is None  # by device
+    assert serve_config(["--itl-budget-factor", "0"]).engine.itl_budget_factor == 0
+    monkeypatch.setenv("DS4POOL_ITL_BUDGET_FACTOR", "3")
+    assert serve_config([]).engine.itl_budget_factor == 3
+    assert serve_config(["--itl-budget-factor", "2.5"]).engine.itl_budget_factor == 2.5
+    with pytest.raises(Ds4poolError, match=r"itl_budget_factor must be 0 \(off\) or > 1"):
+        serve_config(["--itl-budget-factor", "0.5"])
