@@ -70,7 +70,7 @@ def test_mla_decode_compiles_pipelined_without_spills(split: bool, dtype: str) -
 
 
 def test_the_dense_reduce_compiles_at_the_latent_width() -> None:
-    consts = dict(H=16, D=512, D_PAD=512, PARTITION=1024, SHORT=0, BLOCK_N=32, FIXED_P=False,
+    consts = dict(H=16, D=512, D_PAD=512, SHORT=0, BLOCK_N=32, FIXED_P=False,
                   P_CHUNK=16, USE_WINDOW=False)  # fmt: skip
     triton_compile.compile_sm90(
         dk.decode_reduce_kernel, consts, 4, 2, pointers=POINTERS, align_strides=True

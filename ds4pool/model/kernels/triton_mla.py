@@ -211,6 +211,7 @@ def mla_decode(
         return
     decode_reduce_kernel[(batch, heads)](
         part_out, part_lse, context_lens, out, 0, out.stride(0), out.stride(1), num_parts,
-        H=heads, D=r_dim, D_PAD=r_pad, PARTITION=partition_size, SHORT=short,
+        partition_size, short or partition_size,
+        H=heads, D=r_dim, D_PAD=r_pad, SHORT=short,
         BLOCK_N=launch.block_n, FIXED_P=False, P_CHUNK=16, USE_WINDOW=False, num_warps=4,
     )  # fmt: skip
