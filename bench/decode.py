@@ -172,15 +172,15 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=0, help="prefill chunk (0: whole)")
     ap.add_argument(
         "--blas",
+        nargs="+",
         choices=["default", "cublas", "cublaslt"],
-        default="default",
-        help="CUDA: torch's preferred BLAS library for the projections (a GEMV experiment)",
+        default=["default"],
+        help="CUDA: torch's preferred BLAS library for the projections, one run each on the\n"
+        "same loaded model (default: torch's choice)",
     )
     args = ap.parse_args()
-    if args.blas != "default":
-        if not torch.cuda.is_available():
-            sys.exit("--blas needs CUDA")
-        torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.blas != ["default"] and not torch.cuda.is_available():
+        sys.exit("--blas needs CUDA")
 
     device = select_device(args.device)
     dtype = select_dtype(args.dtype, device)
@@ -202,7 +202,7 @@ def main() -> None:
     print(
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
-        f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {args.blas}, "
+        f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {' '.join(args.blas)}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )
@@ -214,7 +214,11 @@ def main() -> None:
         )
     rows = []  # (attention backend, batch, tok/s)
     prefill_s = None
-    for backend in args.backend:
+    default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
+    for backend, blas in [(a, b) for a in args.backend for b in args.blas]:
+        if default_blas is not None:  # the library is a process-wide setting: set per run
+            lib = default_blas if blas == "default" else blas
+            torch.backends.cuda.preferred_blas_library(lib)
         runner = ModelRunner(
             loaded,
             num_blocks=num_blocks,
@@ -223,10 +227,9 @@ def main() -> None:
             cuda_graphs=not args.no_cuda_graphs,
             max_decode_batch=max(64, max(args.batch)),
         )
+        label = runner.backend.name + ("" if len(args.blas) == 1 else f" / {blas}")
         for b in args.batch:
-            rows.append(
-                (runner.backend.name, b, bench_batch(runner, b, args.prompt_len, args.steps))
-            )
+            rows.append((label, b, bench_batch(runner, b, args.prompt_len, args.steps)))
             print(f"# {rows[-1][0]} batch {b}: {rows[-1][2]:.1f} tok/s", flush=True)
         if args.prefill and prefill_s is None:
             prefill_s = bench_prefill(runner, args.prefill, args.prefill_chunk or args.prefill)
