@@ -32,8 +32,16 @@ to whole rows by about a launch (~2-3 µs) at batch 1.
 
 The table is filled from one H200 run of `python3 bench/attn_kernels.py --sweep --emit`
 (Llama-3-8B shapes): it times the candidates below per (batch, context) and prints a
-`DECODE_TABLE = DecodeTable(...)` to paste here. Until then the table is the launch that
-ran before it (block_n 64, 4 warps, 2 stages, short rows one piece).
+`DECODE_TABLE = DecodeTable(...)` to paste here.
+
+What the H200 sweep said (2026-12-01, docs/BENCHMARKS.md "Decode launch table"): its emitted
+table (64-key short-row pieces) won 1.06x over 16 shapes, but only by making batch 1 fast at
+1k contexts (31.6 -> 7.8 us a layer) while batch 64 at short contexts got slower (17.0 -> 29.5
+us: 3 pieces + the reduce where one program per row was enough). The decode benchmarks of
+issue 10 sit at batch 64 with ~160-token contexts, and long agent contexts (> 1,024 keys) are
+split by the partition rule anyway, so the table keeps short rows whole and takes only the
+sweep's num_stages (1.00-1.05x per shape). Pieces at low batch stay a choice for later: they
+need a rule that is a function of the row alone and costs batch 64 nothing.
 """
 
 from __future__ import annotations
@@ -83,7 +91,13 @@ class DecodeTable:
 
 # The launch before any sweep (the H200 numbers in docs/BENCHMARKS.md were measured with it).
 # Replace with the `--emit` output of `bench/attn_kernels.py --sweep` on the target GPU.
-DECODE_TABLE = DecodeTable()
+# NVIDIA H200, 2026-12-01, bench/attn_kernels.py --sweep (block_n 64, 4 warps, whole short
+# rows; num_stages per width: 3 at <= 1k and 16k-wide tables, 2 at 4k), µs a layer, stages 3
+# vs 2: B1 ctx 1000 30.2 vs 31.6, B64 ctx 160 16.5 vs 17.0, B64 ctx 8192 501.3 vs 503.2
+DECODE_TABLE = DecodeTable(
+    block_n=64, num_warps=4, short_piece=0, default_stages=2,
+    stages=((64, 1024, 3), (64, 4096, 2), (64, 16384, 3)),
+)
 
 
 # What the sweep tries (bench/decode_sweep.py), in rounds to keep compiles few: every
