@@ -118,8 +118,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="while others decode, a step's prompt work is also at most what keeps the step "
-        "within this x a decode step, from measured step times (default: 2.5 on CUDA, off "
-        "on CPU and MPS; 0: off; else > 1)",
+        "within this x a decode step, from measured step times (default 0: off; else > 1)",
     )
     _flag(
         g,

@@ -27,7 +27,11 @@ replaces it.
 A fixed overhead per mixed step (a prefill launch) makes small chunks look expensive per unit;
 the budget still settles where a step lasts factor x decode_s: at W, the next budget is
 c*W / (O + r*W) (c = (factor - 1) decode_s, O overhead, r true s/unit), whose fixed point
-O + r*W = c is stable (slope O / c < 1).
+O + r*W = c is stable (slope O / c < 1). But only if O < c: when a mixed step's fixed cost
+beyond a decode step is more than the factor allows, there is no fixed point and the budget
+sinks to the floor. That is what 32 agents on the H200 showed (docs/BENCHMARKS.md, "prefill
+budget from measured step time"): seconds per unit doubled, the budget fell from the 896 cap
+to ~56 units a step, and gen tok/s fell 4.4x. Hence off by default everywhere.
 
 Decode time is keyed by rows only, not by context: a decode estimate from shorter contexts
 makes the prompt look costlier (a smaller budget, the safe side). Used on the worker thread
@@ -38,11 +42,13 @@ from __future__ import annotations
 
 from ds4pool.kv.cost import Ewma, StepSample
 
-# Per device type: the ITL budget factor (0: off). CUDA: 2.5 = the issue's 3x target with
-# headroom for the variance of a step (docs/BENCHMARKS.md, "ITL budget"). CPU and MPS: off: on
-# CPU a relative prompt budget starved prompts on the 16-agent workload before
+# Per device type: the ITL budget factor (0: off). Off everywhere (docs/BENCHMARKS.md, "The
+# prefill budget from measured step time"). CUDA: on the H200, 2.5 took bench/sched.py part 2
+# from 3.4-3.6x to 2.9-3.4x, but starved 32 agents' prompts (gen tok/s 1,625 -> 367, resumed
+# TTFT p50 287 -> 2,452 ms): eager mixed steps cost more over a decode graph than 1.5 decode
+# steps. CPU: a relative prompt budget starved prompts on the 16-agent workload before
 # (--prefill-decode-ratio, docs/BENCHMARKS.md "CPU prefill next to 16 decoders").
-FACTOR_DEFAULTS: dict[str, float] = {"cuda": 2.5, "cpu": 0.0, "mps": 0.0}
+FACTOR_DEFAULTS: dict[str, float] = {"cuda": 0.0, "cpu": 0.0, "mps": 0.0}
 
 ALPHA = 0.25  # weight of the newest sample, as kv/cost.py's rates
 MIN_SECONDS = 1e-4  # a shorter step is timer noise and fixed overhead: ignored
