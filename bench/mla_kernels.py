@@ -29,6 +29,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.attn_kernels import bench_ms, copy_bandwidth  # noqa: E402
 from ds4pool.model.attention import AttentionMetadata  # noqa: E402
 from ds4pool.model.attention_mla import TorchMLAAttention  # noqa: E402
 from ds4pool.model.attention_mla_triton import TritonMLAAttention  # noqa: E402
@@ -47,22 +48,6 @@ VARIANTS: dict[str, tm.MLADecodeLaunch] = {
     "h16 n32 w8 s3": tm.MLADecodeLaunch(16, 32, 8, 3),
     "h32 n32 w8 s2": tm.MLADecodeLaunch(32, 32, 8, 2),
 }
-
-
-def bench_ms(fn: Callable[[], object]) -> float:
-    """Median ms (L2 flushed before each call); NaN when the call fails, so the table goes on."""
-    try:
-        return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-    except Exception as e:
-        print(f"timing failed: {e!r}"[:2000], flush=True)
-        return float("nan")
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=DTYPE, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def decode_meta(tables: torch.Tensor, lens: torch.Tensor) -> AttentionMetadata:
