@@ -17,7 +17,7 @@ from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.store_lease import validate_replica_id
 from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
-from ds4pool.model.device import select_device, select_dtype
+from ds4pool.model.device import BLAS_LIBRARIES, select_blas, select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
@@ -92,6 +92,7 @@ class EngineConfig:
     cache_dir: Path | None = None
     show_progress: bool = False
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
+    blas: str = "default"  # CUDA: torch's preferred BLAS library (model/device.py)
     # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"
@@ -119,6 +120,8 @@ class EngineConfig:
             raise ValueError("prefill_decode_ratio must be >= 0 (0: no relative cap)")
         if self.itl_budget_factor is not None:
             check_factor(self.itl_budget_factor)
+        if self.blas not in BLAS_LIBRARIES:
+            raise ValueError(f"blas must be one of {', '.join(BLAS_LIBRARIES)}")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
@@ -207,6 +210,7 @@ class Engine:
                 tokenizer_dir=cfg.tokenizer,
             )
         self.loaded = loaded
+        select_blas(cfg.blas, loaded.device)  # before the warm-up and graph captures
         num_blocks = ModelRunner.blocks_for_bytes(
             loaded, cfg.kv_block_size, device_kv_bytes(cfg, loaded.device)
         )

@@ -130,6 +130,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--blas",
+        default="default",
+        choices=["default", "cublas", "cublaslt"],
+        help="CUDA: torch's preferred BLAS library for the projections (default: torch's "
+        "choice; cublaslt measured 1.03-1.04x faster decode on the H200, opt-in)",
+    )
+    _flag(
+        g,
         "--cuda-graphs",
         default="ahead",
         choices=["ahead", "lazy", "eager"],
@@ -309,6 +317,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             overlap=args.overlap,
             no_batching=args.no_batching,
             attention_backend=args.attention_backend,
+            blas=args.blas,
             cuda_graphs="eager" if args.no_cuda_graphs else args.cuda_graphs,
             graph_capture_s=args.graph_capture_s,
             max_waiting=args.max_waiting,

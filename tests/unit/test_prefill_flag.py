@@ -75,3 +75,26 @@ def test_itl_budget_factor_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_config(["--itl-budget-factor", "2.5"]).engine.itl_budget_factor == 2.5
     with pytest.raises(Ds4poolError, match=r"itl_budget_factor must be 0 \(off\) or > 1"):
         serve_config(["--itl-budget-factor", "0.5"])
+
+
+@pytest.mark.timeout(120)  # broken, the server would start and serve
+def test_blas_flag_and_its_refusal_off_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, demo_dir
+) -> None:
+    from ds4pool.cli import main
+
+    assert serve_config([]).engine.blas == "default"
+    assert serve_config(["--blas", "cublaslt"]).engine.blas == "cublaslt"
+    monkeypatch.setenv("DS4POOL_BLAS", "cublas")
+    assert serve_config([]).engine.blas == "cublas"
+    with pytest.raises(ValueError, match="blas must be one of"):
+        EngineConfig(blas="mkl")
+    if torch.cuda.is_available():
+        return
+    # a CPU server asked for a CUDA library says so in one line, exit status 1
+    monkeypatch.setenv("DS4POOL_CACHE", str(demo_dir.parent))
+    args = ["serve", "--model", str(demo_dir), "--kv-device-gb", "0.02", "--port", "0"]
+    assert main([*args, "--device", "cpu", "--blas", "cublaslt"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ds4pool: error:") and "needs a CUDA device" in err, err
+    assert len(err.strip().splitlines()) == 1, err
