@@ -95,7 +95,10 @@ class DecodeTable:
 # rows; num_stages per width: 3 at <= 1k and 16k-wide tables, 2 at 4k), µs a layer, stages 3
 # vs 2: B1 ctx 1000 30.2 vs 31.6, B64 ctx 160 16.5 vs 17.0, B64 ctx 8192 501.3 vs 503.2
 DECODE_TABLE = DecodeTable(
-    block_n=64, num_warps=4, short_piece=0, default_stages=2,
+    block_n=64,
+    num_warps=4,
+    short_piece=0,
+    default_stages=2,
     stages=((64, 1024, 3), (64, 4096, 2), (64, 16384, 3)),
 )
 
