@@ -49,3 +49,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected Triton-interpreter children in the background (tests/interpreter.py):
+    they run one at a time beside the rest of the suite."""
+    if session.config.option.collectonly:
+        return
+    from tests.interpreter import start_ahead
+
+    scripts: list[str] = []
+    seen: set[str] = set()
+    for item in session.items:
+        path = str(item.path.resolve())
+        if path in seen or "cuda" in item.keywords:
+            continue
+        seen.add(path)
+        if "interpreter_results(__file__" in item.path.read_text(encoding="utf-8"):
+            scripts.append(path)
+    start_ahead(scripts)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests.interpreter import stop_ahead
+
+    stop_ahead()
