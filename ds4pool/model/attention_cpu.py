@@ -153,8 +153,8 @@ def paged_decode(
         # exactly the visible keys (no mask).
         lo = max(0, ctx - sliding_window) if sliding_window else 0
         base = (start - firsts[i]) * bs  # slot of position 0, were the run extended back
-        keys = cache[0].view(-1, h_kv, d)[base + lo : base + ctx]  # [C', H_kv, D]
-        values = cache[1].view(-1, h_kv, d)[base + lo : base + ctx]
+        keys = _slot_heads(cache[0])[:, base + lo : base + ctx]  # [H_kv, C', D]
+        values = _slot_heads(cache[1])[:, base + lo : base + ctx]
         out[i] = _sdpa(group_q[i : i + 1], keys[None], values[None], None, scale)[0]
     block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
     for sub in decode_groups([counts[i] for i in gathered], block_bytes):
@@ -166,27 +166,38 @@ def paged_decode(
             max=tables.shape[1] - 1
         )  # [g, n]; columns past a shorter sequence's end are masked below
         blocks = tables.index_select(0, rows).gather(1, cols).flatten()  # [g * n]
-        keys = cache[0].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
-        values = cache[1].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
+        keys = _gather_heads(cache[0], blocks).view(h_kv, len(group), n * bs, d).transpose(0, 1)
+        values = _gather_heads(cache[1], blocks).view(h_kv, len(group), n * bs, d).transpose(0, 1)
         mask = _decode_mask(group, context_lens, firsts, n * bs, bs, sliding_window, q.device)
         o = _sdpa(group_q.index_select(0, rows), keys, values, mask, scale)
         out.index_copy_(0, rows, o)
     return out
 
 
+def _slot_heads(plane: torch.Tensor) -> torch.Tensor:  # [H_kv, (N + 1) * bs, D]
+    """One plane [N + 1, bs, H_kv, D] as each head's slots: a view, in either memory order
+    (for a head-major cache each head's slots are then one contiguous matrix)."""
+    return plane.permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def _gather_heads(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [n] of one plane copied head-major: [H_kv, n * bs, D] contiguous. From a
+    head-major cache that is one memcpy of bs * D values per head and block; the kernel then
+    reads each head's keys as one matrix (~2x faster than interleaved with the other heads)."""
+    return plane.permute(2, 0, 1, 3).index_select(1, blocks).flatten(1, 2)
+
+
 def _sdpa(
     q: torch.Tensor,  # [g, H_kv, G, D]
-    keys: torch.Tensor,  # [g, L, H_kv, D], any strides
-    values: torch.Tensor,  # [g, L, H_kv, D]
+    keys: torch.Tensor,  # [g, H_kv, L, D], any strides (fastest: each head's [L, D] contiguous)
+    values: torch.Tensor,  # [g, H_kv, L, D]
     mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
     scale: float,
 ) -> torch.Tensor:  # [g, H, D]
     # The G query heads of a KV head go in as G queries of one head (a decode has no causal
     # mask): the kernel then reads each key block once for all of them, not G times.
-    o = F.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
-    )  # [g, H_kv, G, D]
-    return o.reshape(q.shape[0], -1, q.shape[3])
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(q.shape[0], -1, q.shape[3])  # [g, H_kv, G, D] -> [g, H, D]
 
 
 def _decode_mask(
@@ -227,12 +238,11 @@ def paged_prefill(
     blocks = table[first : first + n]
     run = _run_starts(table[None], [first], [n])[0]
     if run is not None:  # one run of consecutive blocks: a slice of the cache, no copy
-        keys = cache[0, run : run + n].view(n * bs, h_kv, d)
-        values = cache[1, run : run + n].view(n * bs, h_kv, d)
+        keys = _slot_heads(cache[0])[:, run * bs : (run + n) * bs]  # [H_kv, n * bs, D]
+        values = _slot_heads(cache[1])[:, run * bs : (run + n) * bs]
     else:
-        keys = cache[0].index_select(0, blocks).view(n * bs, h_kv, d)
-        values = cache[1].index_select(0, blocks).view(n * bs, h_kv, d)
-    keys, values = keys[: context_len - start], values[: context_len - start]  # [C', H_kv, D]
+        keys, values = _gather_heads(cache[0], blocks), _gather_heads(cache[1], blocks)
+    keys, values = keys[:, : context_len - start], values[:, : context_len - start]  # [H_kv, C', D]
     mask = None
     if n_q != context_len or sliding_window:
         # query i sits at position C - Q + i and sees keys at positions <= that
@@ -243,8 +253,8 @@ def paged_prefill(
             mask &= k_pos > q_pos - sliding_window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, H, Q, D]
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
+        keys[None],
+        values[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,

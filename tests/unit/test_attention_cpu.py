@@ -19,9 +19,11 @@ def random_step(
     seed: int,
     group: int = 2,
     fifo: bool = False,
+    head_major: bool = False,
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block tables from shuffled ids, or (fifo) runs of consecutive ids as the block pool
-    hands them out, every other sequence's reversed; a cache of noise; this step's q, k, v."""
+    hands them out, every other sequence's reversed; a cache of noise (in either memory
+    order of KVLayout: the same values); this step's q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-c // BS) + 1 for c in context_lens]  # one spare block past each context
     num_blocks = sum(need) + 3
@@ -31,6 +33,9 @@ def random_step(
         tables.append(ids[at : at + n][:: -1 if fifo and i % 2 else 1])
         at += n
     cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
+    if head_major:
+        memory = torch.empty(2, h_kv, num_blocks, BS, D)  # what KVLayout allocates on CPU
+        cache = memory.permute(0, 2, 3, 1, 4).copy_(cache)
     t = sum(query_lens)
     q = torch.randn(t, group * h_kv, D, generator=gen)  # group query heads per KV head
     k = torch.randn(t, h_kv, D, generator=gen)
@@ -45,10 +50,13 @@ def attend(
     window: int | None = None,
     heads: tuple[int, int] = (2, 2),
     seed: int = 0,
+    head_major: bool = False,
 ) -> torch.Tensor:
     h_kv, group = heads
     fifo = seed % 2 == 1  # odd seeds: consecutive block runs (attended in place)
-    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed, group, fifo)
+    tables, cache, q, k, v = random_step(
+        query_lens, context_lens, h_kv, seed, group, fifo, head_major
+    )
     meta = build_metadata(query_lens, context_lens, tables, BS, torch.device("cpu"), window)
     return backend.forward(q, k, v, cache, meta, scale=D**-0.5)
 
@@ -64,15 +72,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("window", [None, 10, 150])
 @pytest.mark.parametrize("heads", [(1, 2), (2, 3), (2, 1)], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_the_gathering_reference(
-    case: str, heads: tuple[int, int], window: int | None
+    case: str, heads: tuple[int, int], window: int | None, head_major: bool
 ) -> None:
+    # the reference reads a token-major cache; the CPU path either order of the same values
     query_lens, context_lens = CASES[case]
     for seed in range(4):
-        fast = attend(TorchPagedAttention(), query_lens, context_lens, window, heads, seed)
+        fast = attend(
+            TorchPagedAttention(), query_lens, context_lens, window, heads, seed, head_major
+        )
         ref = attend(
             TorchPagedAttention(cpu_kernels=False), query_lens, context_lens, window, heads, seed
         )
@@ -80,12 +92,13 @@ def test_matches_the_gathering_reference(
         assert (fast - ref).abs().max().item() < 1e-5, (case, seed)
 
 
-def test_a_decode_does_not_depend_on_its_neighbours() -> None:
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_a_decode_does_not_depend_on_its_neighbours(head_major: bool) -> None:
     # The long neighbours put the short sequence in a group of its own or pad it; either way
     # it must see exactly its own keys.
     lens = [200, 9, 190, 60]
-    together = attend(TorchPagedAttention(), [1] * 4, lens)
-    tables, cache, q, k, v = random_step([1] * 4, lens, 2, 0)
+    together = attend(TorchPagedAttention(), [1] * 4, lens, head_major=head_major)
+    tables, cache, q, k, v = random_step([1] * 4, lens, 2, 0, head_major=head_major)
     backend = TorchPagedAttention()
     for i in range(4):
         meta = build_metadata([1], [lens[i]], [tables[i]], BS, torch.device("cpu"))
