@@ -15,6 +15,7 @@ and V read per call next to a plain read (`sum`) and copy of the same bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +43,49 @@ def best_time(fn: Callable[[], object], reps: int, cpu_clock: bool) -> float:
     return best
 
 
+def one_shape(
+    shape: tuple[int, int, int], ctx: int, args: argparse.Namespace, cpu_clock: bool
+) -> dict[str, float]:
+    """Seconds per layer of each memory order, and the read / copy roofline in bytes/s."""
+    h_kv, g, d = shape
+    dtype = getattr(torch, args.dtype)
+    bs = 16
+    per_row = -(-ctx // bs)
+    lens = [ctx - 7 * i for i in range(args.rows)]  # different lengths, one run each
+    tables = torch.arange(per_row * args.rows).view(args.rows, per_row)
+    caches = {}
+    for order in ("token", "head"):
+        layout = KVLayout(args.layers, per_row * args.rows, bs, h_kv, d, dtype, 2, order == "head")
+        caches[order] = layout.allocate(torch.device("cpu"))
+        for c in caches[order]:
+            c.copy_(torch.randn(c.shape, dtype=dtype))
+    q = torch.randn(args.rows, h_kv * g, d, dtype=dtype)
+    scale = d**-0.5
+    want = paged_decode(q, caches["token"][0], tables, lens, scale)
+    got = paged_decode(q, caches["head"][0].copy_(caches["token"][0]), tables, lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+
+    def step(layer_caches: list[torch.Tensor]) -> None:
+        for c in layer_caches:
+            paged_decode(q, c, tables, lens, scale)
+
+    res = {order: float("inf") for order in caches}
+    for _ in range(args.rounds):  # alternate the orders round by round
+        for order, layer_caches in caches.items():
+            t = best_time(functools.partial(step, layer_caches), 1, cpu_clock) / args.layers
+            res[order] = min(res[order], t)
+    flat = torch.cat([c.flatten() for c in caches["token"]])
+    out = torch.empty_like(flat)
+    per_layer = flat.numel() * flat.element_size() / args.layers
+    res["sum"] = per_layer / (best_time(flat.sum, args.rounds, cpu_clock) / args.layers)
+    res["copy"] = per_layer / (
+        best_time(functools.partial(out.copy_, flat), args.rounds, cpu_clock) / args.layers
+    )
+    res["kv_bytes"] = sum(lens) * 2 * h_kv * d * q.element_size()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -51,57 +95,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
     cpu_clock = torch.get_num_threads() == 1
     print(
         f"# cpu ({cpu_name()}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
         f"{args.rows} rows, {args.dtype}, best of {args.rounds} alternating rounds, "
         f"{'CPU' if cpu_clock else 'wall'} ms per layer"
     )
-    print("| shape | context | token-major ms (GB/s) | head-major ms (GB/s) | speedup | sum GB/s | copy GB/s |")
+    print(
+        "| shape | context | token-major ms (GB/s) | head-major ms (GB/s) | speedup "
+        "| sum GB/s | copy GB/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     torch.manual_seed(0)
-    bs = 16
     for name in args.shapes:
         h_kv, g, d = SHAPES[name]
         for ctx in args.contexts:
-            per_row = -(-ctx // bs)
-            lens = [ctx - 7 * i for i in range(args.rows)]  # different lengths, one run each
-            tables = torch.arange(per_row * args.rows).view(args.rows, per_row)
-            caches = {}
-            for head_major in (False, True):
-                layout = KVLayout(args.layers, per_row * args.rows, bs, h_kv, d, dtype, 2, head_major)
-                caches[head_major] = layout.allocate(torch.device("cpu"))
-                for c in caches[head_major]:
-                    c.copy_(torch.randn(c.shape, dtype=dtype))
-            q = torch.randn(args.rows, h_kv * g, d, dtype=dtype)
-            scale = d**-0.5
-            want = paged_decode(q, caches[False][0], tables, lens, scale)
-            got = paged_decode(q, caches[True][0].copy_(caches[False][0]), tables, lens, scale)
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
-            times: dict[bool, float] = {False: float("inf"), True: float("inf")}
-            for _ in range(args.rounds):
-                for head_major, layer_caches in caches.items():
-
-                    def step(layer_caches: list[torch.Tensor] = layer_caches) -> None:
-                        for c in layer_caches:
-                            paged_decode(q, c, tables, lens, scale)
-
-                    t = best_time(step, 1, cpu_clock) / args.layers
-                    times[head_major] = min(times[head_major], t)
-            kv_bytes = sum(lens) * 2 * h_kv * d * q.element_size()
-            flat = torch.cat([c.flatten() for c in caches[False]])
-            out = torch.empty_like(flat)
-            per_layer = flat.numel() * flat.element_size() / args.layers
-            t_sum = best_time(flat.sum, args.rounds, cpu_clock) / args.layers
-            t_copy = best_time(lambda: out.copy_(flat), args.rounds, cpu_clock) / args.layers
-            tok, head = times[False], times[True]
+            r = one_shape(SHAPES[name], ctx, args, cpu_clock)
+            tok, head, kv = r["token"], r["head"], r["kv_bytes"]
             print(
                 f"| {name} (H_kv {h_kv}, G {g}, D {d}) | {ctx} | {tok * 1e3:.2f} "
-                f"({kv_bytes / tok / 1e9:.1f}) | {head * 1e3:.2f} ({kv_bytes / head / 1e9:.1f}) "
-                f"| {tok / head:.2f}x | {per_layer / t_sum / 1e9:.1f} | "
-                f"{per_layer / t_copy / 1e9:.1f} |",
+                f"({kv / tok / 1e9:.1f}) | {head * 1e3:.2f} ({kv / head / 1e9:.1f}) "
+                f"| {tok / head:.2f}x | {r['sum'] / 1e9:.1f} | {r['copy'] / 1e9:.1f} |",
                 flush=True,
             )
 
