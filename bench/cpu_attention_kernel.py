@@ -4,12 +4,18 @@ memory roofline of the same bytes.
     OMP_NUM_THREADS=1 python bench/cpu_attention_kernel.py --rows 16 --contexts 1000 3000
 
 B decode rows at ~C tokens each (block ids in FIFO order: each row one run of blocks, as the
-pool hands them out), for each head shape: the token-major cache [2, N, bs, H_kv, D] and the
-head-major one (KVLayout.head_major: same shape, memory [2, H_kv, N, bs, D]). Several layers'
-caches are cycled so that each call reads cold memory, as a decode step does. The orders
-alternate round by round (a shared machine slows both alike); the figure is the best round's
-CPU time of this thread per layer (1 thread) or wall time (more threads), and the GB/s of K
-and V read per call next to a plain read (`sum`) and copy of the same bytes.
+pool hands them out; with --prefix-blocks P the rows share their first P blocks, agents on
+one system prompt: two runs each), for each head shape, three configurations:
+- "main": the token-major cache [2, N, bs, H_kv, D], only rows of one run in place
+  (attention_cpu.MAX_RUNS = 1: what main did; the others are gathered);
+- "token": the token-major cache, rows of up to MAX_RUNS runs in place;
+- "head": the head-major cache (KVLayout.head_major: same shape, memory [2, H_kv, N, bs, D],
+  the CPU default), rows of up to MAX_RUNS runs in place.
+Several layers' caches are cycled so that each call reads cold memory, as a decode step
+does. The configurations alternate round by round (a shared machine slows all alike); the
+figure is the best round's CPU time of this thread per layer (1 thread) or wall time (more
+threads), and the GB/s of K and V read per call (a shared prefix counted once per row) next
+to a plain read (`sum`) and copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.machine import cpu_name  # noqa: E402
+from ds4pool.model import attention_cpu  # noqa: E402
 from ds4pool.model.attention_cpu import paged_decode  # noqa: E402
 from ds4pool.model.kv_layout import KVLayout  # noqa: E402
 
@@ -51,11 +58,16 @@ def one_shape(
     dtype = getattr(torch, args.dtype)
     bs = 16
     per_row = -(-ctx // bs)
-    lens = [ctx - 7 * i for i in range(args.rows)]  # different lengths, one run each
-    tables = torch.arange(per_row * args.rows).view(args.rows, per_row)
+    lens = [ctx - 7 * i for i in range(args.rows)]  # different lengths
+    own = per_row - args.prefix_blocks
+    prefix = torch.arange(args.prefix_blocks).expand(args.rows, -1)
+    tables = torch.cat(
+        [prefix, args.prefix_blocks + torch.arange(own * args.rows).view(-1, own)], 1
+    )
+    num_blocks = args.prefix_blocks + own * args.rows
     caches = {}
     for order in ("token", "head"):
-        layout = KVLayout(args.layers, per_row * args.rows, bs, h_kv, d, dtype, 2, order == "head")
+        layout = KVLayout(args.layers, num_blocks, bs, h_kv, d, dtype, 2, order == "head")
         caches[order] = layout.allocate(torch.device("cpu"))
         for c in caches[order]:
             c.copy_(torch.randn(c.shape, dtype=dtype))
@@ -65,16 +77,22 @@ def one_shape(
     got = paged_decode(q, caches["head"][0].copy_(caches["token"][0]), tables, lens, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
+    max_runs = attention_cpu.MAX_RUNS
 
-    def step(layer_caches: list[torch.Tensor]) -> None:
-        for c in layer_caches:
-            paged_decode(q, c, tables, lens, scale)
+    def step(layer_caches: list[torch.Tensor], runs: int) -> None:
+        attention_cpu.MAX_RUNS = runs  # a bench-only switch, restored below
+        try:
+            for c in layer_caches:
+                paged_decode(q, c, tables, lens, scale)
+        finally:
+            attention_cpu.MAX_RUNS = max_runs
 
-    res = {order: float("inf") for order in caches}
-    for _ in range(args.rounds):  # alternate the orders round by round
-        for order, layer_caches in caches.items():
-            t = best_time(functools.partial(step, layer_caches), 1, cpu_clock) / args.layers
-            res[order] = min(res[order], t)
+    configs = {"main": ("token", 1), "token": ("token", max_runs), "head": ("head", max_runs)}
+    res = {name: float("inf") for name in configs}
+    for _ in range(args.rounds):  # alternate the configurations round by round
+        for name, (order, runs) in configs.items():
+            fn = functools.partial(step, caches[order], runs)
+            res[name] = min(res[name], best_time(fn, 1, cpu_clock) / args.layers)
     flat = torch.cat([c.flatten() for c in caches["token"]])
     out = torch.empty_like(flat)
     per_layer = flat.numel() * flat.element_size() / args.layers
@@ -94,6 +112,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="caches cycled per call (cold reads)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prefix-blocks", type=int, default=0, help="blocks every row shares")
     args = ap.parse_args()
     cpu_clock = torch.get_num_threads() == 1
     print(
@@ -102,20 +121,27 @@ def main() -> None:
         f"{'CPU' if cpu_clock else 'wall'} ms per layer"
     )
     print(
-        "| shape | context | token-major ms (GB/s) | head-major ms (GB/s) | speedup "
-        "| sum GB/s | copy GB/s |"
+        f"# prefix blocks shared by every row: {args.prefix_blocks}; ms per layer (GB/s of KV "
+        "read per call)"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| shape | context | main | token-major | head-major | main / head | sum GB/s | copy GB/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     torch.manual_seed(0)
     for name in args.shapes:
         h_kv, g, d = SHAPES[name]
         for ctx in args.contexts:
             r = one_shape(SHAPES[name], ctx, args, cpu_clock)
-            tok, head, kv = r["token"], r["head"], r["kv_bytes"]
+            cells = [
+                f"{r[c] * 1e3:.2f} ({r['kv_bytes'] / r[c] / 1e9:.1f})"
+                for c in ("main", "token", "head")
+            ]
             print(
-                f"| {name} (H_kv {h_kv}, G {g}, D {d}) | {ctx} | {tok * 1e3:.2f} "
-                f"({kv / tok / 1e9:.1f}) | {head * 1e3:.2f} ({kv / head / 1e9:.1f}) "
-                f"| {tok / head:.2f}x | {r['sum'] / 1e9:.1f} | {r['copy'] / 1e9:.1f} |",
+                f"| {name} (H_kv {h_kv}, G {g}, D {d}) | {ctx} | "
+                + " | ".join(cells)
+                + f" | {r['main'] / r['head']:.2f}x | {r['sum'] / 1e9:.1f}"
+                + f" | {r['copy'] / 1e9:.1f} |",
                 flush=True,
             )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds4pool.model import attention_cpu
 from ds4pool.model.attention import TorchPagedAttention, build_metadata
 from ds4pool.model.attention_cpu import GROUP_BYTES, decode_groups
 
@@ -116,3 +117,42 @@ def test_decode_groups_bound_padding_and_bytes() -> None:
         assert len(g) * longest <= 250
     # [100, 99], [80, 76, 74], [40], [3, 2]: 100 + 99 + 80 would pass the byte budget
     assert [sorted(counts[i] for i in g) for g in groups] == [[99, 100], [74, 76, 80], [40], [2, 3]]
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+@pytest.mark.parametrize("window", [None, 150])
+def test_rows_on_a_shared_prefix_are_attended_in_place_and_exactly(
+    window: int | None, head_major: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Agents on one system prompt: each table is the prefix's run of blocks, then the row's
+    # own run (and a third after a copy-on-write block). Long enough to be attended in place:
+    # the merge of the runs' partial softmaxes must equal one softmax over all the keys.
+    # Window 150 (38 blocks): row 0 cuts into the prefix, row 1 sees only its own blocks,
+    # row 2 the prefix's last 8, the copied block between its own and four runs in all.
+    h_kv, group, prefix = 2, 3, 40
+    lens = [170, 330, 280]
+    assert 150 // BS >= attention_cpu.VIEW_MIN_BLOCKS and attention_cpu.MAX_RUNS >= 4
+    gen = torch.Generator().manual_seed(5)
+    own = [-(-c // BS) - prefix for c in lens]
+    at = prefix
+    tables = []
+    for n in own:
+        tables.append(list(range(prefix)) + list(range(at, at + n)))
+        at += n
+    tables[2][prefix + 3] = at  # a block copied on write: a third run, then the fourth
+    num_blocks = at + 1
+    ref_cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
+    cache = ref_cache.clone()
+    if head_major:
+        cache = torch.empty(2, h_kv, num_blocks, BS, D).permute(0, 2, 3, 1, 4).copy_(cache)
+    q = torch.randn(3, group * h_kv, D, generator=gen)
+    k, v = torch.randn(2, 3, h_kv, D, generator=gen)
+    meta = build_metadata([1] * 3, lens, tables, BS, torch.device("cpu"), window)
+    ref = TorchPagedAttention(cpu_kernels=False).forward(q, k, v, ref_cache, meta, D**-0.5)
+
+    def no_gather(*args: object) -> torch.Tensor:
+        raise AssertionError("a row of few runs was gathered")
+
+    monkeypatch.setattr(attention_cpu, "_gather_heads", no_gather)
+    fast = TorchPagedAttention().forward(q, k, v, cache, meta, D**-0.5)
+    assert (fast - ref).abs().max().item() < 1e-5
