@@ -7,9 +7,9 @@ Same workload as bench/decode.py (B prompts prefilled untimed, then timed greedy
 steps of all B), but every configuration runs on one model, alternating round by round, so
 that a busy machine slows all alike: compare the ratios, not the absolute numbers.
 "gather" is `cpu_kernels=False` (the reference path, the oracle in tests) over the
-token-major cache; "cpu" is attention_cpu over the token-major cache (main before the
-head-major order); "cpu-head" is attention_cpu over the head-major cache (KVLayout.head_major,
-the CPU default).
+token-major cache; "cpu" is attention_cpu over the token-major cache; "cpu-head" is
+attention_cpu over the head-major cache (KVLayout.head_major, the CPU default). For an
+older tree's code, run bench/decode.py from each tree (docs/BENCHMARKS.md, "head-major").
 """
 
 from __future__ import annotations
