@@ -54,9 +54,12 @@ GROUP_BYTES = 4 << 20
 # A decode sequence is attended in place (its own kernel call) only from this many blocks
 # of one run on: below it, copying into a group is cheaper than another call per layer.
 VIEW_MIN_BLOCKS = 32
-# ...and when its blocks are at most this many runs of consecutive ids (each run is one
-# kernel call; a row on a shared prefix has two: the prefix's blocks, then its own).
-MAX_RUNS = 4
+# ...and when its blocks are at most this many runs of consecutive ids. Each run is one
+# kernel call; a row on a shared prefix has two (the prefix's blocks, then its own), and
+# every block a decode appends while other rows decode too starts one more. Measured at
+# 1.5k tokens, 16 rows (m77 shapes): in place vs gathered 18 vs 29 ms per layer at 5 runs,
+# 44 vs 67 at 17, 40 vs 44 at 33 (docs/BENCHMARKS.md, "head-major").
+MAX_RUNS = 16
 
 
 def forward(
