@@ -56,10 +56,11 @@ GROUP_BYTES = 4 << 20
 VIEW_MIN_BLOCKS = 32
 # ...and when its blocks are at most this many runs of consecutive ids. Each run is one
 # kernel call; a row on a shared prefix has two (the prefix's blocks, then its own), and
-# every block a decode appends while other rows decode too starts one more. Measured at
-# 1.5k tokens, 16 rows (m77 shapes): in place vs gathered 18 vs 29 ms per layer at 5 runs,
-# 44 vs 67 at 17, 40 vs 44 at 33 (docs/BENCHMARKS.md, "head-major").
-MAX_RUNS = 16
+# every block a decode appends while other rows decode too starts one more. Measured (m77
+# shapes, 16 rows, head-major, 1 thread; docs/BENCHMARKS.md "head-major"): 2 runs at 1.5k
+# tokens in place 15.7 vs 28.2 ms per layer for main's gather; 6 runs at 875 tokens (prefix,
+# prompt, decode blocks, a second turn) in place 16-19 vs 13-14 gathered head-major.
+MAX_RUNS = 4
 
 
 def forward(

@@ -22,7 +22,7 @@ a token as they are, whatever the kind.
 Memory order (`head_major`): the shape above is what every reader sees, but on CPU the bytes
 are laid out [P, H_kv, num_blocks + 1, block_size, D] and the tensor is a permuted view of
 them. Then one KV head of a run of consecutive blocks is one contiguous [L, D] matrix, and
-the CPU decode kernel (attention_cpu) reads it ~1.3-2.4x faster than the same keys
+the CPU decode kernel (attention_cpu) reads it 1.1-1.9x faster per layer than the same keys
 interleaved with the other heads (docs/BENCHMARKS.md, "head-major"). Block and slot
 indexing, `token_view` and index_select/index_copy_ work unchanged on the permuted view; the
 Triton kernels need the plain contiguous order, so CUDA keeps it.
