@@ -10,7 +10,8 @@ one system prompt: two runs each), for each head shape, three configurations:
   (attention_cpu.MAX_RUNS = 1: what main did; the others are gathered);
 - "token": the token-major cache, rows of up to MAX_RUNS runs in place;
 - "head": the head-major cache (KVLayout.head_major: same shape, memory [2, H_kv, N, bs, D],
-  the CPU default), rows of up to MAX_RUNS runs in place.
+  the CPU default), rows of up to MAX_RUNS runs in place;
+- "head-gathered": the head-major cache, only rows of one run in place.
 Several layers' caches are cycled so that each call reads cold memory, as a decode step
 does. The configurations alternate round by round (a shared machine slows all alike); the
 figure is the best round's CPU time of this thread per layer (1 thread) or wall time (more
@@ -87,7 +88,12 @@ def one_shape(
         finally:
             attention_cpu.MAX_RUNS = max_runs
 
-    configs = {"main": ("token", 1), "token": ("token", max_runs), "head": ("head", max_runs)}
+    configs = {
+        "main": ("token", 1),
+        "token": ("token", max_runs),
+        "head": ("head", max_runs),
+        "head-gathered": ("head", 1),
+    }
     res = {name: float("inf") for name in configs}
     for _ in range(args.rounds):  # alternate the configurations round by round
         for name, (order, runs) in configs.items():
@@ -125,9 +131,10 @@ def main() -> None:
         "read per call)"
     )
     print(
-        "| shape | context | main | token-major | head-major | main / head | sum GB/s | copy GB/s |"
+        "| shape | context | main | token-major | head-major | head-major, runs gathered "
+        "| main / head | sum GB/s | copy GB/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     torch.manual_seed(0)
     for name in args.shapes:
         h_kv, g, d = SHAPES[name]
@@ -135,7 +142,7 @@ def main() -> None:
             r = one_shape(SHAPES[name], ctx, args, cpu_clock)
             cells = [
                 f"{r[c] * 1e3:.2f} ({r['kv_bytes'] / r[c] / 1e9:.1f})"
-                for c in ("main", "token", "head")
+                for c in ("main", "token", "head", "head-gathered")
             ]
             print(
                 f"| {name} (H_kv {h_kv}, G {g}, D {d}) | {ctx} | "
