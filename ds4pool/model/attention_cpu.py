@@ -9,11 +9,16 @@ numbers are in docs/BENCHMARKS.md):
   through strides from the cache layout [L, H_kv, D]. GQA: the G query heads that share a
   KV head go in as G queries of one head, so each key block is read once for all of them
   (10% faster than enable_gqa at the demo's G=2, 28% at Llama-3-8B's G=4).
-- A sequence whose blocks are one run of consecutive ids (the block pool hands out ids in
-  FIFO order, so a prompt's blocks mostly are) is a contiguous slice of the cache: it is
-  attended in place, no copy (decodes from VIEW_MIN_BLOCKS blocks on). Small
-  per-sequence GEMMs over those views lose to a copy; the fused kernel on them wins over
-  gathering by ~15%.
+- A run of consecutive block ids (the block pool hands out ids in FIFO order, so a
+  prompt's blocks mostly are) is a contiguous slice of the cache: a decode row of at most
+  MAX_RUNS runs and VIEW_MIN_BLOCKS blocks is attended in place, no copy, one kernel call
+  per run; the runs' partial results are merged by their log-sum-exp (agents on one system
+  prompt: the shared prefix's run, then the row's own). Small per-sequence GEMMs over those
+  views lose to the fused kernel.
+- On CPU the cache is head-major in memory (KVLayout.head_major): one head's keys over a
+  run are one contiguous [L, D] matrix, which the kernel reads 1.1-1.9x faster per layer
+  than keys interleaved with the other heads (bench/cpu_attention_kernel.py). Every read
+  here goes through `_slot_heads` / `_gather_heads`, which work in either order.
 - Other sequences are gathered with one `index_select` of whole blocks (a memcpy of
   contiguous rows, far faster than advanced indexing) in groups of a few MiB, so that the
   copy is still in cache when the kernel reads it (a group of 16 at 1.5k tokens was ~2x
@@ -49,6 +54,13 @@ GROUP_BYTES = 4 << 20
 # A decode sequence is attended in place (its own kernel call) only from this many blocks
 # of one run on: below it, copying into a group is cheaper than another call per layer.
 VIEW_MIN_BLOCKS = 32
+# ...and when its blocks are at most this many runs of consecutive ids. Each run is one
+# kernel call; a row on a shared prefix has two (the prefix's blocks, then its own), and
+# every block a decode appends while other rows decode too starts one more. Measured (m77
+# shapes, 16 rows, head-major, 1 thread; docs/BENCHMARKS.md "head-major"): 2 runs at 1.5k
+# tokens in place 15.7 vs 28.2 ms per layer for main's gather; 6 runs at 875 tokens (prefix,
+# prompt, decode blocks, a second turn) in place 16-19 vs 13-14 gathered head-major.
+MAX_RUNS = 4
 
 
 def forward(
@@ -107,25 +119,37 @@ def _first_block(ctx: int, block_size: int, sliding_window: int | None) -> int:
     return (ctx - sliding_window) // block_size
 
 
-def _run_starts(
+def _runs(
     tables: torch.Tensor,  # [Bd, max_blocks] int64
     firsts: list[int],
     counts: list[int],  # row i reads tables[i, firsts[i] : firsts[i] + counts[i]]
-) -> list[int | None]:
-    """Per row: its first block id when the blocks it reads are consecutive ids, else None.
+    max_runs: int,
+) -> list[list[tuple[int, int, int]] | None]:
+    """Per row: the runs of consecutive block ids among the blocks it reads, as (first
+    column, end column, first block id), in column order; None for a row of more runs.
 
     Tensor ops over the whole table instead of a python loop over its ids: tables of long
-    contexts hold thousands of ids per row.
+    contexts hold thousands of ids per row; only the breaks between runs come to python.
     """
     device = tables.device
     first = torch.tensor(firsts, dtype=torch.int64, device=device)[:, None]  # [Bd, 1]
     count = torch.tensor(counts, dtype=torch.int64, device=device)[:, None]
     col = torch.arange(tables.shape[1] - 1, device=device)[None, :]  # [1, max_blocks - 1]
     inside = (col >= first) & (col < first + count - 1)  # pairs (j, j + 1) both read
-    broken = ((tables[:, 1:] - tables[:, :-1] != 1) & inside).any(dim=1)  # [Bd]
-    starts = tables.gather(1, first)[:, 0]  # [Bd]
+    breaks = ((tables[:, 1:] - tables[:, :-1] != 1) & inside).nonzero()  # [K, 2] row, col
     # CPU tensors: .tolist() reads host memory, it is not a device sync.
-    return [None if b else s for b, s in zip(broken.tolist(), starts.tolist())]
+    starts = [[f] for f in firsts]  # per row: the columns where its runs start
+    for row, c in breaks.tolist():  # sorted by row, then column
+        starts[row].append(c + 1)
+    kept = [i for i, st in enumerate(starts) if len(st) <= max_runs]
+    rows = torch.tensor([i for i in kept for _ in starts[i]], dtype=torch.int64)
+    cols = torch.tensor([c for i in kept for c in starts[i]], dtype=torch.int64)
+    ids = iter(tables[rows.to(device), cols.to(device)].tolist())
+    runs: list[list[tuple[int, int, int]] | None] = [None] * len(firsts)
+    for i in kept:
+        ends = [*starts[i][1:], firsts[i] + counts[i]]
+        runs[i] = [(a, b, next(ids)) for a, b in zip(starts[i], ends)]
+    return runs
 
 
 def paged_decode(
@@ -141,21 +165,16 @@ def paged_decode(
     group_q = q.view(bd, h_kv, num_heads // h_kv, d)  # [Bd, H_kv, G, D]
     firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
     counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
-    starts = _run_starts(tables, firsts, counts)
+    runs = _runs(tables, firsts, counts, MAX_RUNS)
     out = torch.empty_like(q)
-    gathered = []  # rows read through a copy: not one run of ids, or a short one
+    gathered = []  # rows read through a copy: too many runs of ids, or too few blocks
     for i, ctx in enumerate(context_lens):
-        start = starts[i]
-        if start is None or counts[i] < VIEW_MIN_BLOCKS:
+        row_runs = runs[i]
+        if row_runs is None or counts[i] < VIEW_MIN_BLOCKS:
             gathered.append(i)
             continue
-        # One run of blocks is a contiguous slice of the cache: attend it in place, cut to
-        # exactly the visible keys (no mask).
         lo = max(0, ctx - sliding_window) if sliding_window else 0
-        base = (start - firsts[i]) * bs  # slot of position 0, were the run extended back
-        keys = cache[0].view(-1, h_kv, d)[base + lo : base + ctx]  # [C', H_kv, D]
-        values = cache[1].view(-1, h_kv, d)[base + lo : base + ctx]
-        out[i] = _sdpa(group_q[i : i + 1], keys[None], values[None], None, scale)[0]
+        out[i] = _attend_runs(group_q[i : i + 1], cache, row_runs, lo, ctx, scale)[0]
     block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
     for sub in decode_groups([counts[i] for i in gathered], block_bytes):
         group = [gathered[k] for k in sub]
@@ -166,27 +185,75 @@ def paged_decode(
             max=tables.shape[1] - 1
         )  # [g, n]; columns past a shorter sequence's end are masked below
         blocks = tables.index_select(0, rows).gather(1, cols).flatten()  # [g * n]
-        keys = cache[0].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
-        values = cache[1].index_select(0, blocks).view(len(group), n * bs, h_kv, d)
+        keys = _gather_heads(cache[0], blocks).view(h_kv, len(group), n * bs, d).transpose(0, 1)
+        values = _gather_heads(cache[1], blocks).view(h_kv, len(group), n * bs, d).transpose(0, 1)
         mask = _decode_mask(group, context_lens, firsts, n * bs, bs, sliding_window, q.device)
         o = _sdpa(group_q.index_select(0, rows), keys, values, mask, scale)
         out.index_copy_(0, rows, o)
     return out
 
 
+def _attend_runs(
+    q: torch.Tensor,  # [1, H_kv, G, D]
+    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
+    runs: list[tuple[int, int, int]],  # (first column, end column, first block id)
+    lo: int,  # keys at positions [lo, ctx) are visible
+    ctx: int,
+    scale: float,
+) -> torch.Tensor:  # [1, H, D]
+    """One row attended in place: each run of consecutive blocks is a contiguous slice of
+    the cache, cut to exactly its visible keys (no mask, no copy). Several runs (a shared
+    prefix's blocks, then the row's own) are attended one by one and merged by their
+    log-sum-exp: the row's softmax over all its keys, exactly, up to float rounding."""
+    bs = cache.shape[2]
+    pieces = []
+    for col_a, col_b, block in runs:
+        base = (block - col_a) * bs  # slot of position 0, were this run extended back
+        p0, p1 = max(lo, col_a * bs), min(ctx, col_b * bs)  # its visible positions
+        keys = _slot_heads(cache[0])[:, base + p0 : base + p1][None]  # [1, H_kv, C', D]
+        values = _slot_heads(cache[1])[:, base + p0 : base + p1][None]
+        pieces.append((keys, values))
+    if len(pieces) == 1:
+        return _sdpa(q, *pieces[0], None, scale)
+    # The fused kernel behind scaled_dot_product_attention, which also returns each query's
+    # log-sum-exp of its scores [1, H_kv, G] (fp32).
+    parts = [
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        for k, v in pieces
+    ]
+    weights = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [R, 1, H_kv, G]
+    o = (torch.stack([o.float() for o, _ in parts]) * weights[..., None]).sum(0)
+    return o.to(q.dtype).reshape(1, -1, q.shape[3])  # [1, H_kv, G, D] -> [1, H, D]
+
+
+def _slot_heads(plane: torch.Tensor) -> torch.Tensor:  # [H_kv, (N + 1) * bs, D]
+    """One plane [N + 1, bs, H_kv, D] as each head's slots: a view, in either memory order
+    (for a head-major cache each head's slots are then one contiguous matrix)."""
+    return plane.permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def _gather_heads(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks [n] of one plane as [H_kv, n * bs, D], copied in the cache's memory order.
+
+    Head-major cache: one memcpy of bs * D values per head and block, and the kernel then
+    reads each head's keys as one matrix. Token-major: whole blocks, as main did (gathering
+    it head-major would copy D values at a time, ~10x slower)."""
+    if plane.stride(2) > plane.stride(0):  # head-major memory [H_kv, N + 1, bs, D]
+        return plane.permute(2, 0, 1, 3).index_select(1, blocks).flatten(1, 2)
+    return plane.index_select(0, blocks).permute(2, 0, 1, 3).flatten(1, 2)
+
+
 def _sdpa(
     q: torch.Tensor,  # [g, H_kv, G, D]
-    keys: torch.Tensor,  # [g, L, H_kv, D], any strides
-    values: torch.Tensor,  # [g, L, H_kv, D]
+    keys: torch.Tensor,  # [g, H_kv, L, D], any strides (fastest: each head's [L, D] contiguous)
+    values: torch.Tensor,  # [g, H_kv, L, D]
     mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
     scale: float,
 ) -> torch.Tensor:  # [g, H, D]
     # The G query heads of a KV head go in as G queries of one head (a decode has no causal
     # mask): the kernel then reads each key block once for all of them, not G times.
-    o = F.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
-    )  # [g, H_kv, G, D]
-    return o.reshape(q.shape[0], -1, q.shape[3])
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(q.shape[0], -1, q.shape[3])  # [g, H_kv, G, D] -> [g, H, D]
 
 
 def _decode_mask(
@@ -225,14 +292,14 @@ def paged_prefill(
     n = -(-context_len // bs) - first
     start = first * bs  # position of the first gathered key
     blocks = table[first : first + n]
-    run = _run_starts(table[None], [first], [n])[0]
-    if run is not None:  # one run of consecutive blocks: a slice of the cache, no copy
-        keys = cache[0, run : run + n].view(n * bs, h_kv, d)
-        values = cache[1, run : run + n].view(n * bs, h_kv, d)
+    runs = _runs(table[None], [first], [n], 1)[0]
+    if runs is not None:  # one run of consecutive blocks: a slice of the cache, no copy
+        run = runs[0][2]
+        keys = _slot_heads(cache[0])[:, run * bs : (run + n) * bs]  # [H_kv, n * bs, D]
+        values = _slot_heads(cache[1])[:, run * bs : (run + n) * bs]
     else:
-        keys = cache[0].index_select(0, blocks).view(n * bs, h_kv, d)
-        values = cache[1].index_select(0, blocks).view(n * bs, h_kv, d)
-    keys, values = keys[: context_len - start], values[: context_len - start]  # [C', H_kv, D]
+        keys, values = _gather_heads(cache[0], blocks), _gather_heads(cache[1], blocks)
+    keys, values = keys[:, : context_len - start], values[:, : context_len - start]  # [H_kv, C', D]
     mask = None
     if n_q != context_len or sliding_window:
         # query i sits at position C - Q + i and sees keys at positions <= that
@@ -243,8 +310,8 @@ def paged_prefill(
             mask &= k_pos > q_pos - sliding_window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, H, Q, D]
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
+        keys[None],
+        values[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,

@@ -18,6 +18,14 @@ their (ignored) K/V there, so they never touch a session's blocks.
 The runner, the attention backends, kv/transfer and the session pool ask this class for
 views instead of assuming the shape; kv/transfer and the snapshot format move the P planes of
 a token as they are, whatever the kind.
+
+Memory order (`head_major`): the shape above is what every reader sees, but on CPU the bytes
+are laid out [P, H_kv, num_blocks + 1, block_size, D] and the tensor is a permuted view of
+them. Then one KV head of a run of consecutive blocks is one contiguous [L, D] matrix, and
+the CPU decode kernel (attention_cpu) reads it 1.1-1.9x faster per layer than the same keys
+interleaved with the other heads (docs/BENCHMARKS.md, "head-major"). Block and slot
+indexing, `token_view` and index_select/index_copy_ work unchanged on the permuted view; the
+Triton kernels need the plain contiguous order, so CUDA keeps it.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     num_planes: int = 2  # 2: K and V ("kv"); 1: the latent of MLA ("mla")
+    head_major: bool = False  # memory order [P, H_kv, N + 1, bs, D] (see the docstring)
 
     def __post_init__(self) -> None:
         assert self.num_planes in PLANES_OF.values(), self.num_planes
@@ -74,8 +83,16 @@ class KVLayout:
     def allocate(self, device: torch.device) -> list[torch.Tensor]:
         # Zero-filled, not empty: padded reads of unused slots are masked, and 0 * NaN from
         # uninitialised memory would still poison a softmax.
+        if not self.head_major:
+            return [
+                torch.zeros(self.layer_shape, dtype=self.dtype, device=device)
+                for _ in range(self.num_layers)
+            ]
+        p, n, bs, h_kv, d = self.layer_shape
         return [
-            torch.zeros(self.layer_shape, dtype=self.dtype, device=device)
+            torch.zeros((p, h_kv, n, bs, d), dtype=self.dtype, device=device).permute(
+                0, 2, 3, 1, 4
+            )  # [P, N + 1, bs, H_kv, D] over head-major memory
             for _ in range(self.num_layers)
         ]
 
@@ -97,7 +114,8 @@ class KVLayout:
         """The layout of existing tensors."""
         first = kv_caches[0]
         p, n, bs, h_kv, d = first.shape
-        return KVLayout(len(kv_caches), n - 1, bs, h_kv, d, first.dtype, p)
+        head_major = not first.is_contiguous() and first.stride(3) > first.stride(1)
+        return KVLayout(len(kv_caches), n - 1, bs, h_kv, d, first.dtype, p, head_major)
 
     def slots(self, blocks: Sequence[int], start: int, end: int) -> list[int]:
         """Flat slots of token positions [start, end) of a sequence with these blocks."""

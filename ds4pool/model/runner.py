@@ -113,9 +113,11 @@ class ModelRunner:
         cuda_graphs: bool | str = True,
         max_decode_batch: int = 64,
         max_graph_chunk: int = 512,
+        kv_head_major: bool | None = None,
     ) -> None:
         """`cuda_graphs`: "eager" (none), "lazy" (captured on first use; True), "ahead"
-        (captured by `capture_graphs`, misses run eagerly and are captured when idle)."""
+        (captured by `capture_graphs`, misses run eagerly and are captured when idle).
+        `kv_head_major`: the KV memory order (kv_layout.py); None = head-major on CPU only."""
         mode = {True: "lazy", False: "eager"}.get(cuda_graphs, cuda_graphs)  # type: ignore[call-overload]
         if mode not in MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(MODES)}, not {mode!r}")
@@ -127,11 +129,22 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = cfg.max_position
         kv_kind, planes, heads, dim = cfg.kv_cache
+        self.backend = select_backend(backend, self.device, kv_kind)
+        if kv_head_major and self.backend.name == "triton":
+            raise ValueError("the triton attention backend needs the token-major KV order")
         self.layout = KVLayout(
-            cfg.num_layers, num_blocks, block_size, heads, dim, loaded.dtype, planes
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            heads,
+            dim,
+            loaded.dtype,
+            planes,
+            # CPU decode reads one head's keys as a matrix (kv_layout.py); CUDA's Triton
+            # kernels want the token-major order
+            head_major=self.device.type == "cpu" if kv_head_major is None else kv_head_major,
         )
         self.kv_caches = self.layout.allocate(self.device)
-        self.backend = select_backend(backend, self.device, kv_kind)
         set_backend = getattr(self.model, "set_attention_backend", None)
         if set_backend is not None:
             # the fused elementwise kernels go with either Triton attention backend

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds4pool.model import attention_cpu
 from ds4pool.model.attention import TorchPagedAttention, build_metadata
 from ds4pool.model.attention_cpu import GROUP_BYTES, decode_groups
 
@@ -19,9 +20,11 @@ def random_step(
     seed: int,
     group: int = 2,
     fifo: bool = False,
+    head_major: bool = False,
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block tables from shuffled ids, or (fifo) runs of consecutive ids as the block pool
-    hands them out, every other sequence's reversed; a cache of noise; this step's q, k, v."""
+    hands them out, every other sequence's reversed; a cache of noise (in either memory
+    order of KVLayout: the same values); this step's q, k, v."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-c // BS) + 1 for c in context_lens]  # one spare block past each context
     num_blocks = sum(need) + 3
@@ -31,6 +34,9 @@ def random_step(
         tables.append(ids[at : at + n][:: -1 if fifo and i % 2 else 1])
         at += n
     cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
+    if head_major:
+        memory = torch.empty(2, h_kv, num_blocks, BS, D)  # what KVLayout allocates on CPU
+        cache = memory.permute(0, 2, 3, 1, 4).copy_(cache)
     t = sum(query_lens)
     q = torch.randn(t, group * h_kv, D, generator=gen)  # group query heads per KV head
     k = torch.randn(t, h_kv, D, generator=gen)
@@ -45,10 +51,13 @@ def attend(
     window: int | None = None,
     heads: tuple[int, int] = (2, 2),
     seed: int = 0,
+    head_major: bool = False,
 ) -> torch.Tensor:
     h_kv, group = heads
     fifo = seed % 2 == 1  # odd seeds: consecutive block runs (attended in place)
-    tables, cache, q, k, v = random_step(query_lens, context_lens, h_kv, seed, group, fifo)
+    tables, cache, q, k, v = random_step(
+        query_lens, context_lens, h_kv, seed, group, fifo, head_major
+    )
     meta = build_metadata(query_lens, context_lens, tables, BS, torch.device("cpu"), window)
     return backend.forward(q, k, v, cache, meta, scale=D**-0.5)
 
@@ -64,15 +73,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("window", [None, 10, 150])
 @pytest.mark.parametrize("heads", [(1, 2), (2, 3), (2, 1)], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_the_gathering_reference(
-    case: str, heads: tuple[int, int], window: int | None
+    case: str, heads: tuple[int, int], window: int | None, head_major: bool
 ) -> None:
+    # the reference reads a token-major cache; the CPU path either order of the same values
     query_lens, context_lens = CASES[case]
     for seed in range(4):
-        fast = attend(TorchPagedAttention(), query_lens, context_lens, window, heads, seed)
+        fast = attend(
+            TorchPagedAttention(), query_lens, context_lens, window, heads, seed, head_major
+        )
         ref = attend(
             TorchPagedAttention(cpu_kernels=False), query_lens, context_lens, window, heads, seed
         )
@@ -80,12 +93,13 @@ def test_matches_the_gathering_reference(
         assert (fast - ref).abs().max().item() < 1e-5, (case, seed)
 
 
-def test_a_decode_does_not_depend_on_its_neighbours() -> None:
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_a_decode_does_not_depend_on_its_neighbours(head_major: bool) -> None:
     # The long neighbours put the short sequence in a group of its own or pad it; either way
     # it must see exactly its own keys.
     lens = [200, 9, 190, 60]
-    together = attend(TorchPagedAttention(), [1] * 4, lens)
-    tables, cache, q, k, v = random_step([1] * 4, lens, 2, 0)
+    together = attend(TorchPagedAttention(), [1] * 4, lens, head_major=head_major)
+    tables, cache, q, k, v = random_step([1] * 4, lens, 2, 0, head_major=head_major)
     backend = TorchPagedAttention()
     for i in range(4):
         meta = build_metadata([1], [lens[i]], [tables[i]], BS, torch.device("cpu"))
@@ -103,3 +117,42 @@ def test_decode_groups_bound_padding_and_bytes() -> None:
         assert len(g) * longest <= 250
     # [100, 99], [80, 76, 74], [40], [3, 2]: 100 + 99 + 80 would pass the byte budget
     assert [sorted(counts[i] for i in g) for g in groups] == [[99, 100], [74, 76, 80], [40], [2, 3]]
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+@pytest.mark.parametrize("window", [None, 150])
+def test_rows_on_a_shared_prefix_are_attended_in_place_and_exactly(
+    window: int | None, head_major: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Agents on one system prompt: each table is the prefix's run of blocks, then the row's
+    # own run (and a third after a copy-on-write block). Long enough to be attended in place:
+    # the merge of the runs' partial softmaxes must equal one softmax over all the keys.
+    # Window 150 (38 blocks): row 0 cuts into the prefix, row 1 sees only its own blocks,
+    # row 2 the prefix's last 8, the copied block between its own and four runs in all.
+    h_kv, group, prefix = 2, 3, 40
+    lens = [170, 330, 280]
+    assert 150 // BS >= attention_cpu.VIEW_MIN_BLOCKS and attention_cpu.MAX_RUNS >= 4
+    gen = torch.Generator().manual_seed(5)
+    own = [-(-c // BS) - prefix for c in lens]
+    at = prefix
+    tables = []
+    for n in own:
+        tables.append(list(range(prefix)) + list(range(at, at + n)))
+        at += n
+    tables[2][prefix + 3] = at  # a block copied on write: a third run, then the fourth
+    num_blocks = at + 1
+    ref_cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
+    cache = ref_cache.clone()
+    if head_major:
+        cache = torch.empty(2, h_kv, num_blocks, BS, D).permute(0, 2, 3, 1, 4).copy_(cache)
+    q = torch.randn(3, group * h_kv, D, generator=gen)
+    k, v = torch.randn(2, 3, h_kv, D, generator=gen)
+    meta = build_metadata([1] * 3, lens, tables, BS, torch.device("cpu"), window)
+    ref = TorchPagedAttention(cpu_kernels=False).forward(q, k, v, ref_cache, meta, D**-0.5)
+
+    def no_gather(*args: object) -> torch.Tensor:
+        raise AssertionError("a row of few runs was gathered")
+
+    monkeypatch.setattr(attention_cpu, "_gather_heads", no_gather)
+    fast = TorchPagedAttention().forward(q, k, v, cache, meta, D**-0.5)
+    assert (fast - ref).abs().max().item() < 1e-5
