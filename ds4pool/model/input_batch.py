@@ -38,9 +38,10 @@ class _Row:
     num_blocks: int  # block ids of the table already on the device
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeRow:
-    """What the input batch needs of one decoding sequence (ids and counts)."""
+    """What the input batch needs of one decoding sequence (ids and counts); a value, not
+    frozen for the same reason as SeqInput (one per row per step)."""
 
     token_id: int
     position: int  # = number of tokens already in the cache
@@ -78,6 +79,8 @@ class TableRows:
             and have.num_blocks <= len(table)
         ):
             start = have.num_blocks
+            if start == len(table):  # the usual decode step: nothing new, nothing to record
+                return
         new = table[start:]
         if new:
             rows, cols, vals = self._diff

@@ -40,12 +40,15 @@ from ds4pool.model.ops import TorchOps, TritonOps
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SeqInput:
-    """One sequence's share of a step.
+    """One sequence's share of a step, a value: built for one step and never changed.
 
     # [0, num_computed)                         already in the KV cache
     # [num_computed, num_computed + len(ids))   computed by this step
+
+    Not frozen: a frozen dataclass sets each field through object.__setattr__, ~3x the
+    cost of this one's construction, and the scheduler builds one per row per step.
     """
 
     token_ids: Sequence[int]
