@@ -20,6 +20,7 @@ K/V to the layout's scratch slot, context length 0 (attention writes zeros).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -163,7 +164,11 @@ class InputBatch:
         pos += [0] * pad
         slots += [self.layout.scratch_slot] * pad
         ctx += [0] * pad
-        host[:, :bucket] = torch.tensor([ids, pos, slots, ctx], dtype=torch.int64)
+        # array + frombuffer: half the host time of torch.tensor() on four lists of ints
+        flat = array("q", ids)
+        for column in (pos, slots, ctx):
+            flat.extend(column)
+        host[:, :bucket].copy_(torch.frombuffer(flat, dtype=torch.int64).view(4, bucket))
         self.tokens[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
         self.context_lens[:bucket].copy_(self.tokens[CONTEXT, :bucket])
         self.table_rows.upload()
