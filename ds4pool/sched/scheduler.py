@@ -170,8 +170,7 @@ class Scheduler:
         queue's virtual times (a requeue, the admission order) and at the end of the build."""
         if step.uncharged:
             with self.lock:
-                for tenant, n in step.uncharged:
-                    self.queue.charge(tenant, n)
+                self.queue.charge_rows(step.uncharged)
             step.uncharged.clear()
 
     def _take(self, step: Step, seqs: list[Seq], budget: int) -> int:
