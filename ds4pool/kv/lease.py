@@ -22,8 +22,9 @@ while leased:
 
 Every method takes the pool lock itself, except the tokenization of `prepare`, which runs
 outside it (a long prompt's text must not hold up the prefetch thread and the admin routes),
-and the two calls of every decode step, `table()` and a `reserve` whose last block has room:
-they read only the session's own block table, which nothing but this lease changes (above).
+and what every decode step calls, `has_room`, `table()` and a `reserve` whose last block has
+room: they read only the session's own block table, which nothing but this lease (on the
+scheduler's thread) changes while leased (above).
 """
 
 from __future__ import annotations
