@@ -21,7 +21,10 @@ while leased:
 - after `release()` every call is a bug (asserted).
 
 Every method takes the pool lock itself, except the tokenization of `prepare`, which runs
-outside it (a long prompt's text must not hold up the prefetch thread and the admin routes).
+outside it (a long prompt's text must not hold up the prefetch thread and the admin routes),
+and what every decode step calls, `has_room`, `table()` and a `reserve` whose last block has
+room: they read only the session's own block table, which nothing but this lease (on the
+scheduler's thread) changes while leased (above).
 """
 
 from __future__ import annotations
@@ -173,12 +176,14 @@ class SessionLease:
         once: they are in its table already), demoting idle sessions if needed.
         OutOfBlocksError when the running ones hold the rest; BlocksNeverFitError when even
         the whole pool is too small."""
+        if self.has_room(num_tokens):  # the usual decode step
+            return
         p = self._p
         with p.cond:
             s = self._live()
             assert s.tier is Tier.DEVICE and s.block_table is not None
             need = s.block_table.blocks_needed(num_tokens)
-            if need == 0 and s.block_table.epoch:  # the usual decode step: room already
+            if need == 0 and s.block_table.epoch:
                 return
             total = need + len(s.block_table.blocks)
             if total > p.blocks.num_blocks:
@@ -188,6 +193,16 @@ class SessionLease:
                 )
             p.make_room(need, s)
             s.block_table.ensure(p.blocks, num_tokens)
+
+    def has_room(self, num_tokens: int) -> bool:
+        """The session's device blocks hold num_tokens already (`reserve` would change
+        nothing). Read without the pool lock: while leased, only this lease changes the
+        session's table (see the module docstring), so what is read here cannot move."""
+        s = self._live()
+        t = s.block_table
+        if t is None or not t.epoch or s.tier is not Tier.DEVICE:
+            return False
+        return num_tokens <= t.capacity
 
     def blocks_to_hold(self, num_tokens: int) -> int:
         """Device blocks the session lacks to hold num_tokens (all of them when it is off the
@@ -199,15 +214,15 @@ class SessionLease:
             return -(-num_tokens // self._p.cfg.block_size)
 
     def table(self) -> TableView:
-        with self._p.cond:
-            t = self._live().block_table
-            assert t is not None, "table() of a session off the device"
-            view = self._view
-            # a table only grows within an epoch: same epoch and length, same ids. A decode
-            # step must not copy its whole table every step (the view is read-only)
-            if view is None or view.epoch != t.epoch or len(view.block_ids) != len(t.blocks):
-                view = self._view = TableView(list(t.blocks), t.epoch)
-            return view
+        # Without the pool lock, as reserve's room check: only this lease changes the table.
+        t = self._live().block_table
+        assert t is not None, "table() of a session off the device"
+        view = self._view
+        # a table only grows within an epoch: same epoch and length, same ids. A decode
+        # step must not copy its whole table every step (the view is read-only)
+        if view is None or view.epoch != t.epoch or len(view.block_ids) != len(t.blocks):
+            view = self._view = TableView(list(t.blocks), t.epoch)
+        return view
 
     def offer(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], num_computed: int

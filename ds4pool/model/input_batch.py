@@ -20,6 +20,7 @@ K/V to the layout's scratch slot, context length 0 (attention writes zeros).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,9 +39,10 @@ class _Row:
     num_blocks: int  # block ids of the table already on the device
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DecodeRow:
-    """What the input batch needs of one decoding sequence (ids and counts)."""
+    """What the input batch needs of one decoding sequence (ids and counts); a value, not
+    frozen for the same reason as SeqInput (one per row per step)."""
 
     token_id: int
     position: int  # = number of tokens already in the cache
@@ -78,6 +80,8 @@ class TableRows:
             and have.num_blocks <= len(table)
         ):
             start = have.num_blocks
+            if start == len(table):  # the usual decode step: nothing new, nothing to record
+                return
         new = table[start:]
         if new:
             rows, cols, vals = self._diff
@@ -160,7 +164,11 @@ class InputBatch:
         pos += [0] * pad
         slots += [self.layout.scratch_slot] * pad
         ctx += [0] * pad
-        host[:, :bucket] = torch.tensor([ids, pos, slots, ctx], dtype=torch.int64)
+        # array + frombuffer: half the host time of torch.tensor() on four lists of ints
+        flat = array("q", ids)
+        for column in (pos, slots, ctx):
+            flat.extend(column)
+        host[:, :bucket].copy_(torch.frombuffer(flat, dtype=torch.int64).view(4, bucket))
         self.tokens[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
         self.context_lens[:bucket].copy_(self.tokens[CONTEXT, :bucket])
         self.table_rows.upload()

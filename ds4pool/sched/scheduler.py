@@ -62,6 +62,10 @@ class Scheduler:
         self.accepting = True
         self._max_running = 1 if cfg.serialized else cfg.max_batch_size
         self._seq_ids = itertools.count(1)  # identities for the runner's input batch
+        # running in build order, and the running list it was sorted from (ids): decoding
+        # keeps the same set step after step, and a sort per step visits every row
+        self._order: list[Seq] = []
+        self._order_of: tuple[int, ...] = ()
         self.pretokenizer = Pretokenizer(pool.text_resume, pool.prefetching)
         self.admission = Admission(cfg, pool, runner, self.observer, self._encode)
         self.writeback = Writeback(
@@ -117,8 +121,8 @@ class Scheduler:
         self._drop_cancelled()
         step = Step([], [], [])
         # Decodes first (they keep their pace), then prompt chunks; higher priority first.
-        order = sorted(self.running, key=lambda s: (s.priority, s.arrival))
-        budget = self._take(
+        order = self._build_order()
+        budget = self._take_decodes(
             step, [s for s in order if s.num_pending == 1], self.cfg.max_batch_tokens
         )
         if step.seqs:  # someone decodes: prompt chunks share the smaller prefill budget
@@ -133,7 +137,41 @@ class Scheduler:
                 self.observer.prefill_budget(step.work_left)
         budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
         self._admit(step, budget)
+        self._charge(step)
         return step if step.seqs else None
+
+    def _build_order(self) -> list[Seq]:
+        """The running requests by (priority, arrival), sorted again only when the running
+        list changed (the ids in the key stay unique: the cached list holds the seqs)."""
+        of = tuple(map(id, self.running))
+        if of != self._order_of:
+            self._order = sorted(self.running, key=lambda s: (s.priority, s.arrival))
+            self._order_of = of
+        return self._order
+
+    def _take_decodes(self, step: Step, seqs: list[Seq], budget: int) -> int:
+        """`_take` for rows of one token each (every step's decode rows): the same rows and
+        reservations, without the chunk sizing a one-token row does not need."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.state is not State.RUNNING:  # preempted by an earlier _reserve
+                continue
+            assert seq.lease is not None
+            # has_room: no lock for a row whose last block has room (most of them)
+            if seq.lease.has_room(seq.num_computed + 1) or self._reserve(seq, 1, step):
+                self._add(step, seq, 1)
+                budget -= 1
+        return budget
+
+    def _charge(self, step: Step) -> None:
+        """Charge the queue with the step's rows added so far: one lock for all of them, the
+        same additions in the same order as a charge per row. Before anything reads the
+        queue's virtual times (a requeue, the admission order) and at the end of the build."""
+        if step.uncharged:
+            with self.lock:
+                self.queue.charge_rows(step.uncharged)
+            step.uncharged.clear()
 
     def _take(self, step: Step, seqs: list[Seq], budget: int) -> int:
         """Adds up to `budget` tokens of running seqs, in order; returns the budget left."""
@@ -170,6 +208,7 @@ class Scheduler:
                     and s.state is State.RUNNING
                     and (s.priority, s.arrival) > (seq.priority, seq.arrival)
                 ]
+                self._charge(step)  # a preempted request requeues at the virtual times so far
                 if victims:
                     self._preempt(max(victims, key=lambda s: (s.priority, s.arrival)))
                 elif step.seqs or len(self.running) > 1:
@@ -192,6 +231,7 @@ class Scheduler:
         self.observer.preempted()
 
     def _admit(self, step: Step, budget: int) -> None:
+        self._charge(step)  # the order below reads the virtual times
         with self.lock:
             candidates = list(self.queue.ordered())
         now = time.monotonic()
@@ -232,17 +272,21 @@ class Scheduler:
             self.queue.remove(seq)
 
     def _add(self, step: Step, seq: Seq, n: int) -> None:
-        sample = seq.num_computed + n == seq.num_tokens
-        bitmask = seq.grammar.fill() if sample and seq.grammar else None
-        if seq.grammar is not None and seq.grammar.dead_end:
-            error = (
-                "the requested output format (response_format, tool_choice) allows no next token"
-            )
-            self._finish(seq, "error", error=error, error_type="invalid_request")
-            return
+        """Puts seq's next n tokens in the step (charged to its tenant by `_charge`), unless
+        its grammar allows no next token: that ends it."""
+        grammar = seq.grammar
+        bitmask = None
+        if grammar is not None:
+            if seq.num_computed + n == seq.num_tokens:
+                bitmask = grammar.fill()
+            if grammar.dead_end:
+                error = (
+                    "the requested output format (response_format, tool_choice) allows no "
+                    "next token"
+                )
+                self._finish(seq, "error", error=error, error_type="invalid_request")
+                return
         step.add(seq, n, bitmask)
-        with self.lock:
-            self.queue.charge(seq.tenant, n)
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()

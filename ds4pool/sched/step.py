@@ -8,7 +8,7 @@ block table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ds4pool.kv.cost import StepSample
@@ -28,6 +28,9 @@ class Step:
     # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
     work_left: float | None = None
     prompt_chunks: int = 0  # chunks sized under work_left so far (the first is rounded)
+    # (tenant, tokens) of the rows added and not yet charged to the queue (the scheduler
+    # charges a build's rows in one go, not under a lock per row)
+    uncharged: list[tuple[str, int]] = field(default_factory=list)
 
     def chunk_len(self, seq: Seq, budget: int, cost: PrefillCost | None) -> int:
         """Tokens of seq for this step: within the token budget and, for a prompt chunk next
@@ -61,6 +64,7 @@ class Step:
         table = seq.lease.table()
         self.seqs.append(seq)
         self.counts.append(n)
+        self.uncharged.append((seq.tenant, n))
         self.inputs.append(
             SeqInput(
                 token_ids=seq.token_slice(start, start + n),

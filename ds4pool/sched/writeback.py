@@ -38,7 +38,7 @@ class Finish(Protocol):  # Scheduler._finish
     ) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per row per step: not frozen (see SeqInput)
 class Pending:
     """One row of a step advanced (counts, token accepted) and not settled yet."""
 

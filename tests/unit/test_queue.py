@@ -130,3 +130,20 @@ def test_limits_refuse_with_retry_hint() -> None:
     assert exc.value.reason == "queue_full"
     assert len(q) == 3
     assert q.depth_by_priority() == {0: 3}
+
+
+def test_charging_a_build_at_once_orders_as_a_charge_per_row() -> None:
+    # weights whose reciprocals are inexact: the sums must still match bit for bit
+    cfg = QueueConfig(weights={"a": 3.0, "b": 0.7})
+    rng = random.Random(3)
+    rows = [(rng.choice("abc"), rng.choice([1, 1, 1, 7, 64])) for _ in range(500)]
+    one, many = FairQueue(cfg, Clock()), FairQueue(cfg, Clock())
+    for tenant, n in rows:
+        one.charge(tenant, n)
+    many.charge_rows(rows)
+    # the order waiting requests are picked in (which reads the virtual times) is the same
+    for q in (one, many):
+        for i, tenant in enumerate("abcd"):
+            q.push(Item(tenant, 0, float(i)))
+    assert [i.tenant for i in one.ordered()] == [i.tenant for i in many.ordered()]
+    assert one._vtime == many._vtime
