@@ -173,13 +173,13 @@ def main() -> None:
     ap.add_argument(
         "--blas",
         nargs="+",
-        choices=["default", "cublas", "cublaslt"],
-        default=["default"],
+        choices=["auto", "default", "cublas", "cublaslt"],
+        default=["auto"],
         help="CUDA: torch's preferred BLAS library for the projections, one run each on the\n"
-        "same loaded model (default: torch's choice)",
+        "same loaded model (auto: cublaslt on CUDA, as the server; default: torch's choice)",
     )
     args = ap.parse_args()
-    if args.blas != ["default"] and not torch.cuda.is_available():
+    if not set(args.blas) <= {"auto", "default"} and not torch.cuda.is_available():
         sys.exit("--blas needs CUDA")
 
     device = select_device(args.device)
@@ -217,7 +217,7 @@ def main() -> None:
     default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for backend, blas in [(a, b) for a in args.backend for b in args.blas]:
         if default_blas is not None:  # the library is a process-wide setting: set per run
-            lib = default_blas if blas == "default" else blas
+            lib = {"default": default_blas, "auto": "cublaslt"}.get(blas, blas)
             torch.backends.cuda.preferred_blas_library(lib)
         runner = ModelRunner(
             loaded,

@@ -92,7 +92,7 @@ class EngineConfig:
     cache_dir: Path | None = None
     show_progress: bool = False
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
-    blas: str = "default"  # CUDA: torch's preferred BLAS library (model/device.py)
+    blas: str = "auto"  # CUDA: torch's preferred BLAS library (model/device.py)
     # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"

@@ -59,15 +59,18 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 # torch's preferred BLAS library for the CUDA matmuls (the projections): "default" leaves
-# torch's choice alone. On the H200 cuBLASLt made 8B decode 1.03-1.04x faster at batch 1 / 32
-# / 64 (docs/BENCHMARKS.md); it is opt-in because the GPU tests have not run under it.
-BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
+# torch's choice alone; "auto" (the default) is cuBLASLt on CUDA and torch's choice elsewhere.
+# On the H200 cuBLASLt made 8B decode 1.03-1.04x faster at batch 1 / 32 / 64 and the whole GPU
+# test suite passed under it (docs/BENCHMARKS.md, session 21).
+BLAS_LIBRARIES = ("auto", "default", "cublas", "cublaslt")
 
 
 def select_blas(name: str, device: torch.device) -> None:
     """Set torch's preferred BLAS library (a process-wide setting: one engine per process)."""
     if name not in BLAS_LIBRARIES:
         raise DeviceError(f"unknown BLAS library {name!r}; use {', '.join(BLAS_LIBRARIES)}")
+    if name == "auto":
+        name = "cublaslt" if device.type == "cuda" else "default"
     if name == "default":
         return
     if device.type != "cuda":

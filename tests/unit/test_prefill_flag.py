@@ -10,6 +10,7 @@ import torch
 
 from ds4pool.engine import EngineConfig, prefill_tokens
 from ds4pool.errors import Ds4poolError
+from ds4pool.model.device import select_blas
 from ds4pool.serve import add_engine_flags, add_server_flags, build_config
 
 
@@ -83,7 +84,8 @@ def test_blas_flag_and_its_refusal_off_cuda(
 ) -> None:
     from ds4pool.cli import main
 
-    assert serve_config([]).engine.blas == "default"
+    assert serve_config([]).engine.blas == "auto"
+    select_blas("auto", torch.device("cpu"))  # auto is cuBLASLt on CUDA only: no error on CPU
     assert serve_config(["--blas", "cublaslt"]).engine.blas == "cublaslt"
     monkeypatch.setenv("DS4POOL_BLAS", "cublas")
     assert serve_config([]).engine.blas == "cublas"
