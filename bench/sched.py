@@ -473,7 +473,7 @@ def parse_args() -> argparse.Namespace:
         "--max-prefill-cost",
         type=int,
         nargs="+",
-        help="part 2: work caps to compare, 0 = off (default: 896 on CUDA, 112 on CPU)",
+        help="part 2: work caps to compare, 0 = off (default: 640 on CUDA, 112 on CPU)",
     )
     ap.add_argument(
         "--itl-budget-factor",

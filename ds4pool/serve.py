@@ -101,7 +101,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompt work per step while others decode, in tokens weighted by their context "
-        "(1 + position / --prefill-cost-scale each; default: 896 on CUDA, 112 on CPU; 0: off)",
+        "(1 + position / --prefill-cost-scale each; default: 640 on CUDA, 112 on CPU; 0: off)",
     )
     _flag(
         g,

@@ -75,7 +75,7 @@ def test_a_long_prompt_next_to_a_decoder_gets_shrinking_chunks(loaded: LoadedMod
 
 def test_device_defaults_and_off() -> None:
     cuda = prefill_cost(EngineConfig(), torch.device("cuda"), (32, 64, 128, 256, 512))
-    assert cuda is not None and (cuda.context_scale, cuda.budget) == (4096, 896)
+    assert cuda is not None and (cuda.context_scale, cuda.budget) == (4096, 640)
     cpu = prefill_cost(EngineConfig(), torch.device("cpu"))
     assert cpu is not None and cpu.chunk_sizes == ()
     assert prefill_cost(EngineConfig(max_prefill_cost=0), torch.device("cuda")) is None
@@ -88,7 +88,7 @@ def test_device_defaults_and_off() -> None:
 def test_the_relative_budget_is_opt_in_and_cpu_rows_weigh_8() -> None:
     cuda = prefill_cost(EngineConfig(), torch.device("cuda"), (32, 64, 128, 256, 512))
     assert cuda is not None and cuda.decode_ratio == 0
-    assert cuda.step_budget([2000] * 16) == cuda.budget == 896  # as before this flag
+    assert cuda.step_budget([2000] * 16) == cuda.budget == 640  # as before this flag
     cpu = prefill_cost(EngineConfig(), torch.device("cpu"))
     assert cpu is not None and cpu.step_budget([800] * 4) == cpu.budget == 112
     half = prefill_cost(EngineConfig(prefill_decode_ratio=0.5), torch.device("cpu"))

@@ -39,12 +39,15 @@ def test_fit_is_the_longest_chunk_within_the_work(start: int, work: int) -> None
 def test_default_cuda_chunks_at_2k_and_16k_contexts() -> None:
     c = cuda_cost()
     budget = c.budget
-    # the agents workload's contexts keep the full 512-token chunks (the token cap binds)
+    # a prompt's start keeps the full 512-token chunks (the token cap binds)
     assert c.chunk(0, 512, budget, first=True) == 512
-    assert c.chunk(2048, 512, budget, first=True) == 512
-    # a 16k context gets a quarter of that: a 512 chunk there costs ~4.5x a 512 at 2k
-    assert c.chunk(16384, 512, budget, first=True) == 128
-    assert c.chunk(8192, 512, budget, first=True) == 256
+    assert c.chunk(512, 512, budget, first=True) == 512
+    # then they shrink with the context, so a mixed step stays within ~3x a decode step
+    assert c.chunk(2048, 512, budget, first=True) == 256
+    assert c.chunk(8192, 512, budget, first=True) == 128
+    assert c.chunk(16384, 512, budget, first=True) == 64
+    # an agent's new turn of a few hundred tokens stays one chunk up to a ~6k context
+    assert c.chunk(6000, 256, budget, first=True) == 256
     # chunks land on graph buckets (a 300-token chunk would be padded to 512 and cost it)
     for start in range(0, 40_000, 997):
         n = c.chunk(start, 512, budget, first=True)
