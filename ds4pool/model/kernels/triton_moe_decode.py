@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds4pool.model.kernels.triton_moe_combine import combine
