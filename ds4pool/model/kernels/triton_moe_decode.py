@@ -201,11 +201,14 @@ def _tiles(
 def _weight_boxes(w: torch.Tensor, tma: bool, block_n: int, block_k: int) -> object:
     """A tensor descriptor of the [E, N, K] weights seen as [E·N, K] in [block_n, block_k]
     boxes (Hopper TMA loads, zero-filled past K), or `w` itself (pointer loads) where the
-    config asks for none or the layout cannot be described: TMA wants 16-byte aligned
-    rows and a base, and boxes of at least 16 bytes."""
+    config asks for none, the GPU has no TMA (before sm_90) or the layout cannot be
+    described: TMA wants 16-byte aligned rows and a base, and boxes of at least 16 bytes.
+    (On the CPU, the interpreter emulates the descriptor's loads.)"""
     e, n, k = w.shape
     size = w.element_size()
     if not tma or w.stride(0) != n * w.stride(1) or w.stride(2) != 1:
+        return w
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
         return w
     if (w.stride(1) * size) % 16 or w.data_ptr() % 16 or block_k * size < 16:
         return w
