@@ -26,6 +26,12 @@ With split-K (S > 1) a projection's programs each reduce one strip of K and stor
 partial sums; the next launch adds them in split order before it rounds as the reference
 does: the down kernel activates the gate_up partials as it loads them (h is not made), the
 combine adds the down partials. Still three launches, still deterministic.
+
+A config's projection may read its weights by Hopper TMA (`ProjTiles.tma`, USE_TMA): a
+tensor descriptor over the [E·N, K] weight, built per launch on the host (`_weight_boxes`:
+pointer loads where the layout or the GPU cannot take it), whose [BLOCK_N, BLOCK_K] boxes
+the pipeliner fetches num_stages ahead into shared memory. Same products, same order: the
+choice changes how many bytes a program keeps in flight, not the result.
 """
 
 from __future__ import annotations
