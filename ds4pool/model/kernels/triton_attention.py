@@ -250,7 +250,7 @@ def paged_decode(
         partition_size, short_len or partition_size,
         H=n_heads, D=d, D_PAD=d_pad, SHORT=short, BLOCK_N=launch.block_n,
         FIXED_P=fixed_p, P_CHUNK=16,
-        USE_WINDOW=window > 0, num_warps=4,
+        USE_WINDOW=window > 0, DIRECT=True, num_warps=4,
     )  # fmt: skip
 
 
