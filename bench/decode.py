@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4pool.errors import DeviceError  # noqa: E402
 from ds4pool.kv.blocks import BlockPool, BlockTable  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
-from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.cpu_linear import pack_cpu_linears  # noqa: E402
+from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
 

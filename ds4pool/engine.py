@@ -16,8 +16,8 @@ from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.store_lease import validate_replica_id
-from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
 from ds4pool.model.cpu_linear import CPU_LINEAR_MODES, pack_cpu_linears
+from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
 from ds4pool.model.device import BLAS_LIBRARIES, select_blas, select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model

@@ -104,13 +104,14 @@ def check_against_hf(
 @pytest.mark.parametrize("linear", ["torch", "onednn"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_transformers_fp32(name: str, linear: str, tmp_path: Path) -> None:
-    if linear == "onednn" and select_cpu_linear("auto", torch.device("cpu"), torch.float32) != "onednn":
+    cpu = torch.device("cpu")
+    if linear == "onednn" and select_cpu_linear("auto", cpu, torch.float32) != "onednn":
         pytest.skip("no oneDNN linear in this torch build")
     check_against_hf(
         name,
         tmp_path,
         torch.float32,
-        torch.device("cpu"),
+        cpu,
         tol=1e-4,
         shard=name == "llama",
         linear=linear,
