@@ -30,8 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ds4pool.errors import DeviceError  # noqa: E402
 from ds4pool.kv.blocks import BlockPool, BlockTable  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
+from ds4pool.model.cpu_linear import pack_cpu_linears  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
@@ -178,6 +180,12 @@ def main() -> None:
         help="CUDA: torch's preferred BLAS library for the projections, one run each on the\n"
         "same loaded model (auto: cublaslt on CUDA, as the server; default: torch's choice)",
     )
+    ap.add_argument(
+        "--cpu-linear",
+        choices=["auto", "onednn", "torch"],
+        default="auto",
+        help="CPU: projections through oneDNN prepacked weights (as the server's flag)",
+    )
     args = ap.parse_args()
     if not set(args.blas) <= {"auto", "default"} and not torch.cuda.is_available():
         sys.exit("--blas needs CUDA")
@@ -186,6 +194,10 @@ def main() -> None:
     dtype = select_dtype(args.dtype, device)
     t0 = time.perf_counter()
     loaded = load_model(args.model, device, dtype)
+    try:
+        linear = pack_cpu_linears(loaded.model, args.cpu_linear, device, dtype)
+    except DeviceError as exc:
+        sys.exit(str(exc))
     load_s = time.perf_counter() - t0
     cfg = loaded.config
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -203,6 +215,7 @@ def main() -> None:
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
         f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {' '.join(args.blas)}, "
+        f"linears {linear}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )

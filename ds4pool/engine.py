@@ -16,6 +16,7 @@ from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
 from ds4pool.kv.sharing import PrefixInfo
 from ds4pool.kv.store_lease import validate_replica_id
+from ds4pool.model.cpu_linear import CPU_LINEAR_MODES, pack_cpu_linears
 from ds4pool.model.cuda_graphs import MODES as GRAPH_MODES
 from ds4pool.model.device import BLAS_LIBRARIES, select_blas, select_device, select_dtype
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
@@ -93,6 +94,9 @@ class EngineConfig:
     show_progress: bool = False
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     blas: str = "auto"  # CUDA: torch's preferred BLAS library (model/device.py)
+    # CPU: the projections through oneDNN prepacked weights (model/cpu_linear.py): auto is
+    # onednn where it works (CPU, float32), torch is F.linear
+    cpu_linear: str = "auto"
     # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"
@@ -122,6 +126,8 @@ class EngineConfig:
             check_factor(self.itl_budget_factor)
         if self.blas not in BLAS_LIBRARIES:
             raise ValueError(f"blas must be one of {', '.join(BLAS_LIBRARIES)}")
+        if self.cpu_linear not in CPU_LINEAR_MODES:
+            raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_MODES)}")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
@@ -211,6 +217,10 @@ class Engine:
             )
         self.loaded = loaded
         select_blas(cfg.blas, loaded.device)  # before the warm-up and graph captures
+        # once, before the runner's warm-up; the packed weights replace the dense ones
+        self.cpu_linear = pack_cpu_linears(
+            loaded.model, cfg.cpu_linear, loaded.device, loaded.dtype
+        )
         num_blocks = ModelRunner.blocks_for_bytes(
             loaded, cfg.kv_block_size, device_kv_bytes(cfg, loaded.device)
         )

@@ -81,3 +81,29 @@ def test_prefill_chunk_mixed_with_decodes_equals_separate_runs(runner: ModelRunn
     for t in (ta, tb, tc, whole_table):
         t.release(pool)
     pool.check_integrity()
+
+
+def test_packed_cpu_linears_make_decode_rows_bitwise_batch_invariant() -> None:
+    """With oneDNN's packed weights a decode row's logits are the same bits alone as inside
+    a batch of eight (MKL's F.linear changes its blocking with the row count)."""
+    from ds4pool.model.cpu_linear import PackedLinear, pack_cpu_linears, select_cpu_linear
+
+    cpu = torch.device("cpu")
+    if select_cpu_linear("auto", cpu, torch.float32) != "onednn":
+        pytest.skip("no oneDNN linear in this torch build")
+    runner = tiny_runner(300, seed=5, block_size=BLOCK)
+    runner.model.fuse_projections()
+    assert pack_cpu_linears(runner.model, "onednn", cpu, torch.float32) == "onednn"
+    assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+    pool = BlockPool(runner.num_blocks)
+    prompts = [ids(n, seed=40 + n) for n in (3, 9, 14, 21, 26, 30, 37, 45)]
+    tables = [BlockTable(BLOCK) for _ in prompts]
+    for p, t in zip(prompts, tables):
+        run(runner, pool, [(p, 0, t)])
+    nxt = ids(len(prompts), seed=99)
+    together = run(runner, pool, [([t], len(p), tb) for t, p, tb in zip(nxt, prompts, tables)])
+    for i, (t, p, tb) in enumerate(zip(nxt, prompts, tables)):
+        alone = run(runner, pool, [([t], len(p), tb)])[0]
+        assert torch.equal(together[i], alone), f"row {i}: {(together[i] - alone).abs().max()}"
+    for t in tables:
+        t.release(pool)

@@ -10,6 +10,7 @@ import torch
 from ds4pool.generate import generate
 from ds4pool.kv.blocks import BlockPool
 from ds4pool.model.attention import build_metadata
+from ds4pool.model.cpu_linear import pack_cpu_linears, select_cpu_linear
 from ds4pool.model.loader import (
     LoadedModel,
     build_empty,
@@ -24,10 +25,15 @@ BLOCK = 16
 PROMPT_LEN = 70  # >= 64 and not a multiple of the block size
 
 
-def load_ours(directory: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_ours(
+    directory: Path, dtype: torch.dtype, device: torch.device, linear: str = "torch"
+) -> LoadedModel:
     cfg = load_config(directory)
     model = build_empty(cfg, device, dtype)
     load_weights(model, weight_files(directory), show_progress=False)
+    if linear != "torch":  # the packed path as the server runs it: fused, then packed
+        model.fuse_projections()
+        assert pack_cpu_linears(model, linear, device, dtype) == linear
     return LoadedModel(model, cfg, None, "test", directory, device, dtype, "test")  # type: ignore[arg-type]
 
 
@@ -51,9 +57,10 @@ def check_against_hf(
     device: torch.device,
     tol: float,
     shard: bool = False,
+    linear: str = "torch",
 ) -> None:
     hf = build_hf_model(name, directory, dtype=dtype, shard=shard).to(device)
-    ours = load_ours(directory, dtype, device)
+    ours = load_ours(directory, dtype, device, linear)
     vocab = ours.config.vocab_size
     ids = prompt_ids(vocab)
     runner = ModelRunner(ours, num_blocks=16, block_size=BLOCK)
@@ -94,10 +101,20 @@ def check_against_hf(
     assert pool.num_free == pool.num_blocks
 
 
+@pytest.mark.parametrize("linear", ["torch", "onednn"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_transformers_fp32(name: str, tmp_path: Path) -> None:
+def test_matches_transformers_fp32(name: str, linear: str, tmp_path: Path) -> None:
+    cpu = torch.device("cpu")
+    if linear == "onednn" and select_cpu_linear("auto", cpu, torch.float32) != "onednn":
+        pytest.skip("no oneDNN linear in this torch build")
     check_against_hf(
-        name, tmp_path, torch.float32, torch.device("cpu"), tol=1e-4, shard=name == "llama"
+        name,
+        tmp_path,
+        torch.float32,
+        cpu,
+        tol=1e-4,
+        shard=name == "llama",
+        linear=linear,
     )
 
 
