@@ -139,10 +139,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(
         g,
         "--cpu-linear",
-        default="auto",
+        default="torch",
         choices=["auto", "onednn", "torch"],
         help="CPU: run the projections through oneDNN prepacked weights (auto: onednn on "
-        "CPU in float32, measured faster decode on AMD CPUs where MKL is slow; torch: F.linear)",
+        "CPU in float32, measured faster decode on AMD CPUs where MKL is slow, but RSS grows "
+        "with each distinct batch row count; torch, the default: F.linear)",
     )
     _flag(
         g,
