@@ -34,7 +34,7 @@ from ds4pool.errors import DeviceError  # noqa: E402
 from ds4pool.kv.blocks import BlockPool, BlockTable  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.cpu_linear import pack_cpu_linears  # noqa: E402
-from ds4pool.model.device import select_device, select_dtype  # noqa: E402
+from ds4pool.model.device import blas_library, select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
 
@@ -184,7 +184,7 @@ def main() -> None:
         "--cpu-linear",
         choices=["auto", "onednn", "torch"],
         default="torch",
-        help="CPU: projections through oneDNN prepacked weights (as the server's flag; default torch)",
+        help="CPU: projections through oneDNN prepacked weights (as serve; default torch)",
     )
     args = ap.parse_args()
     if not set(args.blas) <= {"auto", "default"} and not torch.cuda.is_available():
@@ -230,8 +230,7 @@ def main() -> None:
     default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     for backend, blas in [(a, b) for a in args.backend for b in args.blas]:
         if default_blas is not None:  # the library is a process-wide setting: set per run
-            lib = {"default": default_blas, "auto": "cublaslt"}.get(blas, blas)
-            torch.backends.cuda.preferred_blas_library(lib)
+            torch.backends.cuda.preferred_blas_library(blas_library(blas, device) or default_blas)
         runner = ModelRunner(
             loaded,
             num_blocks=num_blocks,

@@ -65,14 +65,21 @@ def select_dtype(name: str, device: torch.device) -> torch.dtype:
 BLAS_LIBRARIES = ("auto", "default", "cublas", "cublaslt")
 
 
-def select_blas(name: str, device: torch.device) -> None:
-    """Set torch's preferred BLAS library (a process-wide setting: one engine per process)."""
+def blas_library(name: str, device: torch.device) -> str | None:
+    """The library `--blas name` asks torch for on `device`; None: leave torch's choice."""
     if name not in BLAS_LIBRARIES:
         raise DeviceError(f"unknown BLAS library {name!r}; use {', '.join(BLAS_LIBRARIES)}")
     if name == "auto":
         name = "cublaslt" if device.type == "cuda" else "default"
     if name == "default":
-        return
+        return None
     if device.type != "cuda":
         raise DeviceError(f"--blas {name} needs a CUDA device (the device is {device.type})")
-    torch.backends.cuda.preferred_blas_library(name)
+    return name
+
+
+def select_blas(name: str, device: torch.device) -> None:
+    """Set torch's preferred BLAS library (a process-wide setting: one engine per process)."""
+    library = blas_library(name, device)
+    if library is not None:
+        torch.backends.cuda.preferred_blas_library(library)
