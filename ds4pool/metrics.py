@@ -90,7 +90,8 @@ RESTORE_BUCKETS = (
 )  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
 BATCH_TOKENS_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1 … 16384
-# prompt work budgets (token-equivalents): the floor (16) … the CUDA cap (640; 896 before session 21) and above
+# prompt work budgets (token-equivalents): the floor (16) … the CUDA cap (640; 896 before
+# session 21) and above
 WORK_BUDGET_BUCKETS = (16.0, 32.0, 64.0, 112.0, 128.0, 256.0, 512.0, 640.0, 896.0, 1024.0, 2048.0)
 
 # ---------------------------------------------------------------- label value sets

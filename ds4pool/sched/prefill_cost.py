@@ -40,11 +40,12 @@ from dataclasses import dataclass
 # prompt next to 8 decoders, session 21, docs/BENCHMARKS.md) put the decoders' ITL p99 during
 # the prefill at 3.6x their p50 before with 896, 2.8x and 2.9x with 640 (long-prompt TTFT
 # 1.10x), 2.5x twice with 448 (TTFT 1.54x): 640 is the largest measured cap within issue 10's
-# 3x. An agent's new turn (a few hundred tokens) stays one chunk up to a ~6k context. CPU: the demo model
-# on 2 cores (bench/prefill_cap.py, docs/BENCHMARKS.md: a 256-token chunk's CPU time grows
-# 1.8x from a 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200); the budget keeps the
-# 64-token cap up to a ~2.9k context (512 / 896, CUDA's earlier cap: measured, not better at full size,
-# docs/BENCHMARKS.md "CPU prefill next to 16 decoders"). MPS: the CPU's scaled to its 128 cap.
+# 3x. An agent's new turn (a few hundred tokens) stays one chunk up to a ~6k context.
+# CPU: the demo model on 2 cores (bench/prefill_cap.py, docs/BENCHMARKS.md: a 256-token
+# chunk's CPU time grows 1.8x from a 256 to a 4k context, 3x to 12k, K ~ 4k as on the H200);
+# the budget keeps the 64-token cap up to a ~2.9k context (512 / 896, CUDA's earlier cap:
+# measured, not better at full size, docs/BENCHMARKS.md "CPU prefill next to 16 decoders").
+# MPS: the CPU's scaled to its 128 cap.
 DEFAULTS: dict[str, tuple[int, int]] = {
     "cuda": (4096, 640),
     "cpu": (4096, 112),
