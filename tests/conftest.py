@@ -25,9 +25,7 @@ def _importable(name: str) -> bool:
 # alone, and leaves out the suites that need a real server or the API's libraries. The
 # stack counts as present only with the clients its suites use too: a GPU box that had
 # litestar but not the anthropic SDK failed collection in 9 modules (session 21).
-SERVER_STACK = all(
-    map(_importable, ("uvicorn", "litestar", "openai", "anthropic", "jsonschema"))
-)
+SERVER_STACK = all(map(_importable, ("uvicorn", "litestar", "openai", "anthropic", "jsonschema")))
 collect_ignore = [] if SERVER_STACK else ["integration", "reliability"]
 
 
