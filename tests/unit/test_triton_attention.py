@@ -76,6 +76,12 @@ CASES: dict[str, Case] = {
     "decode_window_splitk": Case(
         "decode", [1, 20, 50, 97, 0], heads=4, kv_heads=1, partition_size=32, window=24
     ),
+    # split table (P = 4): rows of one piece (short, or a window inside one partition of a
+    # long row) are written by their own program, the reduce skips them
+    "decode_one_piece_rows": Case(
+        "decode", [400, 60, 0, 250, 129], kv_heads=1, partition_size=128, short_context=64,
+        window=100, workspace=True,
+    ),
     "decode_window_direct": Case("decode", [7, 45, 60], heads=4, kv_heads=1, block_n=32, window=20),
     # prompts, a chunk after a cached prefix, decode rows mixed in (q_len 1)
     "prefill_g4_mixed": Case("prefill", [1, 37, 20, 50], [1, 5, 20, 1], strided_q=True),
@@ -199,6 +205,8 @@ def _run_case(name: str) -> dict:
         )  # fmt: skip
         if c.short_context:
             solo = _short_rows_solo_equal(c, case, q, out)
+        if c.num_partitions is None:
+            whole = _one_piece_rows_equal_whole(c, case, q, out)
     elif c.pad_rows or c.pad_tokens:
         return _run_padded(name, c, case, q_lens)
     else:
@@ -217,7 +225,35 @@ def _run_case(name: str) -> dict:
         "finite": bool(torch.isfinite(out).all()),
         "empty_zero": bool((out[empty_rows] == 0).all()) if empty_rows else True,
         "short_rows_solo_equal": solo if c.kind == "decode" and c.short_context else None,
+        "one_piece_equal_whole": whole if c.kind == "decode" and not c.num_partitions else None,
     }
+
+
+def _one_piece_rows_equal_whole(c: Case, case: object, q: object, batched: object) -> bool:
+    """A row whose visible keys fall in one piece of a split launch (its program writes the
+    output itself, the reduce skips it) gives bit for bit what the unsplit launch (one
+    program per row, no reduce) gives it."""
+    import torch
+
+    from ds4pool.model.kernels import triton_attention as ta
+
+    same = True
+    for i, n in enumerate(c.context_lens):
+        short = c.short_context and n <= c.short_context
+        length = (c.short_piece or c.short_context) if short else c.partition_size
+        lo = max(n - c.window, 0) if c.window else 0
+        if n == 0 or lo // length != (n - 1) // length:
+            continue
+        width = -(-n // c.block_size)
+        whole = -(-width * c.block_size // c.block_n) * c.block_n  # one partition: P = 1
+        out = torch.full_like(batched[i : i + 1], float("nan"))
+        ta.paged_decode(
+            q[i : i + 1], case.cache[0], case.cache[1], case.block_tables[i : i + 1, :width],
+            case.context_lens[i : i + 1], case.scale, out, sliding_window=c.window,
+            partition_size=whole, launch=ta.DecodeLaunch(block_n=c.block_n),
+        )  # fmt: skip
+        same = same and torch.equal(out, batched[i : i + 1])
+    return same
 
 
 def _short_rows_solo_equal(c: Case, case: object, q: object, batched: object) -> bool:
@@ -298,6 +334,7 @@ def test_kernel_matches_float64_oracle(results: dict[str, dict], name: str) -> N
     assert r["empty_zero"], "rows with context 0 must come back as zeros"
     assert r["rel"] < r["tolerance"], r
     assert r.get("short_rows_solo_equal") in (None, True), "a short row depends on its batch"
+    assert r.get("one_piece_equal_whole") in (None, True), "a one-piece row differs unsplit"
 
 
 if __name__ == "__main__":

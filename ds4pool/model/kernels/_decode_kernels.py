@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4pool.model.kernels._tiles import load_kv_tile, softmax_step
+from ds4pool.model.kernels._tiles import load_kv_tile, partition_bounds, softmax_step
 
 
 # Values that change from step to step or bucket to bucket (table width, partition count and
@@ -57,14 +57,9 @@ def decode_kernel(
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
     # partition p covers [base + p * length, base + (p + 1) * length); BLOCK_N aligned
-    base = 0
-    length = partition
-    if FIXED_P:  # num_parts partitions per row, sized at run time from this row's context
-        base = (lo // BLOCK_N) * BLOCK_N
-        length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
-    elif SHORT > 0:  # a short row's pieces do not depend on the table width: batched == solo
-        if ctx <= SHORT:
-            length = short_len
+    base, length, one_piece = partition_bounds(
+        ctx, lo, num_parts, partition, short_len, BLOCK_N, SHORT, FIXED_P
+    )
     # visible keys of this program: [max(p_start, lo), p_end)
     p_start = base + part * length
     p_end = tl.minimum(p_start + length, ctx)
@@ -102,17 +97,22 @@ def decode_kernel(
         )
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, s, v, PRECISION)
 
-    if not SPLIT:
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    # a row of one piece (a short row, or a split row shorter than one partition) is written
+    # here, as without the split: the reduce of one partial (weight exp2(0) = 1, sum / 1) would
+    # give these same bits, for the cost of an fp32 round trip and a reduce program
+    # a padding row (no key) has l_i = 0 and writes zeros; a partial always saw >= 1 key
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if SPLIT:
+        if one_piece:
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        else:
+            lse = m_i + tl.log2(l_i)  # [G_PAD], log2 units
+            slot = (b * H + heads) * num_parts + part  # [G_PAD] into [B, H, P]
+            tl.store(part_out_ptr + slot[:, None] * D + d[None, :], o, mask=row_mask)
+            tl.store(part_lse_ptr + slot, lse, mask=g < G)
     else:
-        # every tile saw >= 1 visible key, so l_i > 0 on the real head rows
-        o = acc / l_i[:, None]
-        lse = m_i + tl.log2(l_i)  # [G_PAD], log2 units
-        slot = (b * H + heads) * num_parts + part  # [G_PAD] into [B, H, P]
-        tl.store(part_out_ptr + slot[:, None] * D + d[None, :], o, mask=row_mask)
-        tl.store(part_lse_ptr + slot, lse, mask=g < G)
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["window", "num_parts", "partition", "short_len"])
@@ -135,6 +135,7 @@ def decode_reduce_kernel(
     FIXED_P: tl.constexpr,
     P_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr,  # decode_kernel writes one-piece rows itself (the MLA kernel does not)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -143,14 +144,12 @@ def decode_reduce_kernel(
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
     # the partition bounds of decode_kernel
-    base = 0
-    length = partition
-    if FIXED_P:
-        base = (lo // BLOCK_N) * BLOCK_N
-        length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
-    elif SHORT > 0:
-        if ctx <= SHORT:
-            length = short_len
+    base, length, one_piece = partition_bounds(
+        ctx, lo, num_parts, partition, short_len, BLOCK_N, SHORT, FIXED_P
+    )
+    if DIRECT:
+        if one_piece:  # decode_kernel wrote this row's output itself
+            return
     row = (b * H + h) * num_parts
     # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
     # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials

@@ -38,3 +38,27 @@ def softmax_step(acc, m_i, l_i, s, v, PRECISION: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def partition_bounds(
+    ctx, lo, num_parts, partition, short_len,
+    BLOCK_N: tl.constexpr, SHORT: tl.constexpr, FIXED_P: tl.constexpr,
+):  # fmt: skip
+    """(base, length, one_piece) of a decode row's split-K pieces: piece p covers
+    [base + p * length, base + (p + 1) * length). one_piece: exactly one piece meets the
+    visible keys [lo, ctx), so its program writes the output itself and the reduce skips
+    the row. decode_kernel and decode_reduce_kernel both call this, so they cannot disagree."""
+    base = 0
+    length = partition
+    if FIXED_P:  # num_parts pieces per row, sized at run time from this row's context
+        base = (lo // BLOCK_N) * BLOCK_N
+        length = tl.cdiv(tl.cdiv(ctx - base, num_parts), BLOCK_N) * BLOCK_N
+    elif SHORT > 0:  # a short row's pieces do not depend on the table width: batched == solo
+        if ctx <= SHORT:
+            length = short_len
+    # pieces meeting [lo, ctx) are first..last (none for an empty context: padding rows)
+    first = (lo - base) // length
+    last = (ctx - 1 - base) // length
+    one_piece = (ctx > lo) & (first == last)
+    return base, length, one_piece

@@ -16,7 +16,9 @@ grid (B, H_kv, P). Each program runs an online softmax over its partition with a
 [G padded to 16, D] against k tiles [BLOCK_N, D] (tensor-core tl.dot), and writes a partial
 output normalised by its own sum plus the partition's log-sum-exp. A small reduce kernel,
 grid (B, H), combines the P partials with weights exp(lse_p - max lse). When P == 1 the main
-kernel writes the output directly and no reduce runs. P and the partition length are runtime
+kernel writes the output directly and no reduce runs; with P > 1 so does the program of
+a row whose visible keys lie in one partition (a short row, a window inside one piece), and
+the reduce exits at once for that row (`_tiles.partition_bounds` decides both). P and the partition length are runtime
 arguments (only "P > 1" is a compile-time flag), so new context and batch buckets do not
 recompile the kernels. With a wide
 persistent block table (sized for the longest context) and short contexts, most of those P
@@ -250,7 +252,7 @@ def paged_decode(
         partition_size, short_len or partition_size,
         H=n_heads, D=d, D_PAD=d_pad, SHORT=short, BLOCK_N=launch.block_n,
         FIXED_P=fixed_p, P_CHUNK=16,
-        USE_WINDOW=window > 0, num_warps=4,
+        USE_WINDOW=window > 0, DIRECT=True, num_warps=4,
     )  # fmt: skip
 
 

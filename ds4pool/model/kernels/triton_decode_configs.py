@@ -21,6 +21,13 @@ so they are equal to their solo run within rounding only (as before this table).
 to the default's (its "bits" column), so a GPU run can show whether num_warps is in fact
 neutral there before anyone moves it into the per-shape rows.
 
+A row that is one piece in a split launch (a row of <= short_piece keys, or any short row
+with short_piece 0) is written by its own program and the reduce program of each of its heads
+returns at once (bits of the unsplit launch, tests/unit/test_triton_attention.py), so the
+split path no longer makes every such row round-trip fp32 partials; what remains of its cost
+at batch 64 is the reduce launch, its early-exit programs and the idle programs of the
+partition axis. The sweep's short_piece 256 at B64 ctx 160 measures exactly that.
+
 Short-row pieces (short_piece > 0) trade a longer serial walk (a 160-key row at block_n 64 is
 3 tiles in a row, in each of 8 programs at batch 1) for more programs plus the reduce launch
 (grid (B, H)); the sweep times both, the reduce included. Not done here: fusing that reduce

@@ -213,5 +213,6 @@ def mla_decode(
         part_out, part_lse, context_lens, out, 0, out.stride(0), out.stride(1), num_parts,
         partition_size, short or partition_size,
         H=heads, D=r_dim, D_PAD=r_pad, SHORT=short,
-        BLOCK_N=launch.block_n, FIXED_P=False, P_CHUNK=16, USE_WINDOW=False, num_warps=4,
+        BLOCK_N=launch.block_n, FIXED_P=False, P_CHUNK=16, USE_WINDOW=False,
+        DIRECT=False, num_warps=4,
     )  # fmt: skip
