@@ -4,7 +4,12 @@ use it skip themselves where triton is absent or the interpreter is on."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -17,11 +22,13 @@ def compile_sm90(
     pointers: Mapping[str, str],
     f32_scalars: Collection[str] = (),
     align_strides: bool = False,
+    types: Mapping[str, str] | None = None,
 ) -> Any:
     """fn's parameters typed by name: constexprs from `consts`, `*_ptr` from `pointers` (a
     Triton pointer type, "*bf16" where not named), scalars i32 unless in `f32_scalars`.
     Pointers (and strides, with align_strides) that are specialised get 16-byte divisibility,
-    as launches with aligned tensors do."""
+    as launches with aligned tensors do. `types` types other parameters by name, e.g. a
+    host tensor descriptor as "tensordesc<bf16[32,128]>"."""
     from triton import compiler
     from triton.backends.compiler import GPUTarget
 
@@ -29,6 +36,9 @@ def compile_sm90(
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
+        elif types and p.name in types:
+            sig[p.name] = types[p.name]
+            continue
         elif p.name.endswith("_ptr"):
             sig[p.name] = pointers.get(p.name, "*bf16")
         else:
@@ -41,3 +51,20 @@ def compile_sm90(
     return compiler.compile(
         src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages)
     )
+
+
+def resource_usage(cubin: bytes) -> dict[str, int] | None:
+    """{"REG": n, "LOCAL": bytes, ...} of the cubin's kernel; None without cuobjdump."""
+    from triton.backends import nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    exe = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if exe is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [exe, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return {k: int(v) for k, v in re.findall(r"([A-Z]+(?:\[\d\])?):(\d+)", text)}

@@ -132,6 +132,59 @@ def test_every_swept_decode_config_compiles_and_matches_the_loop(tokens: int) ->
     assert not bad, bad
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_tma_weight_loads_replay_from_a_graph_as_pointer_loads_run(tokens: int) -> None:
+    """A TMA config (ProjTiles.tma) captured in a CUDA graph: the descriptors are launch
+    arguments fixed at capture, so a replay after new inputs and routing are copied into the
+    captured buffers must give what the same config gives eagerly for them (bitwise: fixed
+    sum order) and what pointer loads give (to bf16 rounding), and the PTX must use TMA at
+    all (else the case proves nothing)."""
+    needs("decode")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90 or later (decode_experts falls back to pointer loads)")
+    from dataclasses import replace
+
+    from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, ProjTiles
+    from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    from ds4pool.model.kernels.triton_moe_route import expert_groups
+
+    e = 64
+    tma = DecodeConfig(ProjTiles(32, 128, 1, 4, 4, True), ProjTiles(64, 128, 2, 2, 4, True))
+    ptr = DecodeConfig(replace(tma.gate_up, tma=False), replace(tma.down, tma=False))
+    x, w, ids, gate_up, down = (t.to(CUDA) for t in moe_inputs(tokens, e=e, k=8, h=512, i=192))
+    x, gate_up, down = (t.to(torch.bfloat16) for t in (x, gate_up, down))
+    groups = expert_groups(ids, e)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_experts(x, w, ids, groups, gate_up, down, config=tma)  # compile outside
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_experts(x, w, ids, groups, gate_up, down, config=tma)
+    x2, w2, ids2, _, _ = (t.to(CUDA) for t in moe_inputs(tokens, e=e, k=8, h=512, i=192, seed=1))
+    x.copy_(x2.to(torch.bfloat16))
+    w.copy_(w2)
+    ids.copy_(ids2)
+    groups.copy_(expert_groups(ids2, e))
+    graph.replay()
+    assert torch.equal(out, decode_experts(x, w, ids, groups, gate_up, down, config=tma))
+    assert rel_err(out, decode_experts(x, w, ids, groups, gate_up, down, config=ptr)) < 1e-2
+    kernels = [k for k in decode_experts_kernels() if "cp.async.bulk.tensor" in k]
+    assert kernels, "no expert kernel was compiled with TMA loads"
+
+
+def decode_experts_kernels() -> list[str]:
+    """The PTX of every compiled variant of the two expert kernels in this process."""
+    from ds4pool.model.kernels import triton_moe_decode as md
+
+    ptx = []
+    for fn in (md._gate_up_kernel, md._down_kernel):
+        for cache in fn.device_caches.values():
+            ptx += [k.asm["ptx"] for k in cache[0].values()]
+    return ptx
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 16])
 @pytest.mark.parametrize(
     ("router", "experts", "n_group", "topk_group"),

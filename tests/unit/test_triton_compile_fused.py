@@ -29,14 +29,34 @@ F32_PTRS = {"inv_ptr", "part_ptr", "ypart_ptr", "weights_ptr"}
 
 
 def compile_sm90(
-    fn: object, consts: dict, num_warps: int = 4, num_stages: int = 3, f32: frozenset = frozenset()
+    fn: object,
+    consts: dict,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    f32: frozenset = frozenset(),
+    box: tuple[int, int] | None = None,
 ) -> object:
     """`f32`: more pointers that carry float32 in this launch (decode_experts passes its
-    partials buffer in place of an unused h or y)."""
+    partials buffer in place of an unused h or y); `box`: the weights' TMA descriptor's
+    block shape (USE_TMA), else w_desc is the weights' pointer again."""
     pointers = {name: "*i64" for name in I64_PTRS} | {name: "*fp32" for name in F32_PTRS | f32}
+    if "USE_TMA" in fn.arg_names:  # the MoE decode kernels
+        consts = {"USE_TMA": box is not None, **consts}
+    types = {"w_desc": f"tensordesc<bf16[{box[0]},{box[1]}]>" if box else "*bf16"}
     return triton_compile.compile_sm90(
-        fn, consts, num_warps, num_stages, pointers=pointers, f32_scalars={"eps", "factor"}
-    )
+        fn, consts, num_warps, num_stages, pointers=pointers, f32_scalars={"eps", "factor"},
+        types=types,
+    )  # fmt: skip
+
+
+def tma_without_spills(kernel: object) -> None:
+    """What the H200 can run as meant: weights by TMA copies, no register spills (where
+    triton ships cuobjdump), shared memory within the 227 KiB a program may have."""
+    assert "cp.async.bulk.tensor" in kernel.asm["ptx"], "the weights are not loaded by TMA"
+    usage = triton_compile.resource_usage(kernel.asm["cubin"])
+    if usage is not None:
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
 
 
 @pytest.mark.parametrize("norm, block_kv", [(True, 4), (False, 8)])  # Qwen3-30B-A3B, Llama-3-8B
@@ -66,3 +86,27 @@ def test_moe_down_compiles(gu_split: int, split: int) -> None:
 def test_moe_combine_compiles(norm: bool, split: int) -> None:
     consts = dict(TOP_K=8, BLOCK_N=2048 if norm else 256, SPLIT=split, NORM=norm)
     compile_sm90(moe_combine._combine_kernel, consts, f32=frozenset({"y_ptr"} if split > 1 else ()))
+
+
+# TMA weight boxes (ProjTiles.tma) at the H200's one-token configs (triton_moe_configs
+# DECODE_CONFIGS[0]) and a wide box: dot and GEMV tiles, with and without split-K
+@pytest.mark.parametrize(
+    "n, k, split, dot, stages",
+    [(32, 128, 1, True, 4), (64, 256, 1, True, 2), (32, 128, 2, False, 3)],
+)
+def test_moe_gate_up_compiles_with_tma(n: int, k: int, split: int, dot: bool, stages: int) -> None:
+    consts = dict(TOP_K=8, BLOCK_T=16 if dot else 1, BLOCK_KS=8, BLOCK_N=n, BLOCK_K=k,
+                  USE_DOT=dot, PRECISION="tf32", SPLIT=split)  # fmt: skip
+    f32 = frozenset({"h_ptr"} if split > 1 else ())
+    tma_without_spills(compile_sm90(moe_decode._gate_up_kernel, consts, 4, stages, f32, (n, k)))
+
+
+# (a down that activates gate_up partials, GU_SPLIT > 1, holds both partial tiles: at these
+# tiles it spills with pointer loads and with TMA alike, less with TMA; the sweep times it)
+@pytest.mark.parametrize("gu_split, split, warps", [(1, 1, 2), (1, 2, 4)])
+def test_moe_down_compiles_with_tma(gu_split: int, split: int, warps: int) -> None:
+    consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=64, BLOCK_K=128, USE_DOT=True,
+                  PRECISION="tf32", GU_SPLIT=gu_split, SPLIT=split)  # fmt: skip
+    f32 = ({"h_ptr"} if gu_split > 1 else set()) | ({"y_ptr"} if split > 1 else set())
+    kernel = compile_sm90(moe_decode._down_kernel, consts, warps, 4, frozenset(f32), (64, 128))
+    tma_without_spills(kernel)

@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from tests import triton_compile
+from tests.triton_compile import resource_usage
 
 if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs triton, compiled mode", allow_module_level=True)
@@ -39,21 +35,6 @@ def compile_decode(split: bool, dtype: str) -> object:
         tm.mla_decode_kernel, consts, launch.num_warps, launch.num_stages, pointers=pointers,
         f32_scalars={"scale_log2"}, align_strides=True,
     )  # fmt: skip
-
-
-def resource_usage(cubin: bytes) -> dict[str, int] | None:
-    """{"REG": n, "LOCAL": bytes, ...} of the cubin's kernel; None without cuobjdump."""
-    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
-    exe = str(tool) if tool.exists() else shutil.which("cuobjdump")
-    if exe is None:
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [exe, "-res-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    return {k: int(v) for k, v in re.findall(r"([A-Z]+(?:\[\d\])?):(\d+)", text)}
 
 
 @pytest.mark.parametrize("split, dtype", [(True, "bf16"), (False, "bf16"), (True, "fp32")])

@@ -45,4 +45,6 @@ def test_the_sweep_tries_each_shape_and_its_schedules() -> None:
     assert DEFAULT.gate_up.block_n in {s.block_n for s in shapes}
     schedules = sweep_schedules(shapes[0])
     assert {(s.num_warps, s.num_stages) for s in schedules} >= {(4, 3)}
+    assert {s.tma for s in schedules} == {False, True}  # each schedule both ways
+    assert not any(s.tma for s in shapes)
     assert all(s.block_n == shapes[0].block_n and s.split_k == shapes[0].split_k for s in schedules)

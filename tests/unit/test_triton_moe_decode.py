@@ -62,7 +62,12 @@ def _config_cases() -> list[str]:
         for i in levels
         for j in levels
     ]
-    return [f"config_t{t}_n{n}_k{k}_s{sp}" for t in CONFIG_TOKENS for n, k, sp in shapes]
+    plain = [f"config_t{t}_n{n}_k{k}_s{sp}" for t in CONFIG_TOKENS for n, k, sp in shapes]
+    # weights by TMA boxes (ProjTiles.tma): both tile kinds, with and without split-K, a box
+    # wider than the row (the zero fill past K) and one taller than the intermediate size
+    tma = ["config_t1_n16_k64_s2_tma", "config_t1_n64_k256_s1_tma", "config_t5_n32_k128_s1_tma",
+           "config_t5_n128_k64_s4_tma"]  # fmt: skip
+    return plain + tma
 
 
 def _config_case(name: str) -> dict[str, Any]:
@@ -72,8 +77,9 @@ def _config_case(name: str) -> dict[str, Any]:
     from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, ProjTiles
     from ds4pool.model.moe import SparseMoeBlock
 
-    _, t, n, k, s = name.split("_")
-    tokens, tiles = int(t[1:]), ProjTiles(int(n[1:]), int(k[1:]), int(s[1:]))
+    _, t, n, k, s, *tma = name.split("_")
+    tokens = int(t[1:])
+    tiles = ProjTiles(int(n[1:]), int(k[1:]), int(s[1:]), tma=bool(tma))
     # hidden 136, width 72: K strips that end mid-block, splits of unequal work (a split
     # of a strip shorter than split x BLOCK_K has fewer programs: the down's from BLOCK_K
     # 128 on, the gate_up's at 256, have one; the kernels' code is the same at every BLOCK_K)
@@ -196,6 +202,23 @@ def _block_case(name: str) -> dict[str, Any]:
         "rel": float((got - truth).abs().max() / truth.abs().max()),
         "tolerance": 1e-5 if dtype == "float32" else 3e-3,
     }
+
+
+def test_tma_boxes_only_where_the_weights_can_be_described() -> None:
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ds4pool.model.kernels.triton_moe_decode import _weight_boxes
+
+    w = torch.zeros(3, 40, 64, dtype=torch.float16)
+    boxes = _weight_boxes(w, True, 32, 64)
+    assert isinstance(boxes, TensorDescriptor)
+    assert list(boxes.shape) == [120, 64] and list(boxes.block_shape) == [32, 64]
+    assert _weight_boxes(w, False, 32, 64) is w  # the config asks for pointer loads
+    odd = torch.zeros(3, 40, 12, dtype=torch.float16)  # 24-byte rows: TMA cannot
+    assert _weight_boxes(odd, True, 32, 16) is odd
+    gaps = w[:, :20]  # experts 40 rows apart: not one [E·N, K] matrix
+    assert _weight_boxes(gaps, True, 16, 64) is gaps
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,10 @@ class ProjTiles:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # weights by Hopper TMA (a tensor descriptor's box loads, which the pipeliner turns into
+    # num_stages asynchronous copies in shared memory: more bytes in flight a program than
+    # the pointer loads' registers hold) instead of pointer loads; the same sums either way
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -84,6 +88,10 @@ SWEEP_SPLIT_K = (1, 2, 4)
 SWEEP_WARPS = (2, 4, 8)
 SWEEP_STAGES = (2, 3, 4)
 SWEEP_GEMV_TOKENS = 2
+# the second round tries each schedule with pointer loads and with TMA boxes (the first
+# round's shapes are ranked with pointer loads: which shapes keep the SMs busy does not
+# hinge on how a program fetches its tile)
+SWEEP_TMA = (False, True)
 
 
 def sweep_shapes() -> list[ProjTiles]:
@@ -95,8 +103,8 @@ def sweep_shapes() -> list[ProjTiles]:
 
 
 def sweep_schedules(shape: ProjTiles) -> list[ProjTiles]:
-    """The second round: one shape under each warps x stages."""
+    """The second round: one shape under each warps x stages x weight loads."""
     return [
-        ProjTiles(shape.block_n, shape.block_k, shape.split_k, w, st)
-        for w, st in itertools.product(SWEEP_WARPS, SWEEP_STAGES)
+        ProjTiles(shape.block_n, shape.block_k, shape.split_k, w, st, tma)
+        for w, st, tma in itertools.product(SWEEP_WARPS, SWEEP_STAGES, SWEEP_TMA)
     ]

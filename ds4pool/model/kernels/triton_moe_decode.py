@@ -26,6 +26,12 @@ With split-K (S > 1) a projection's programs each reduce one strip of K and stor
 partial sums; the next launch adds them in split order before it rounds as the reference
 does: the down kernel activates the gate_up partials as it loads them (h is not made), the
 combine adds the down partials. Still three launches, still deterministic.
+
+A config's projection may read its weights by Hopper TMA (`ProjTiles.tma`, USE_TMA): a
+tensor descriptor over the [E·N, K] weight, built per launch on the host (`_weight_boxes`:
+pointer loads where the layout or the GPU cannot take it), whose [BLOCK_N, BLOCK_K] boxes
+the pipeliner fetches num_stages ahead into shared memory. Same products, same order: the
+choice changes how many bytes a program keeps in flight, not the result.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
@@ -66,11 +73,11 @@ def _rows_times_w(a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, groups_ptr, h_ptr, part_ptr, t, hidden, inter, k_chunk,
+    x_ptr, w_ptr, w_desc, ids_ptr, groups_ptr, h_ptr, part_ptr, t, hidden, inter, k_chunk,
     stride_x, stride_we, stride_wn, stride_h, stride_ps, stride_pr,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     expert = tl.load(groups_ptr + tl.program_id(0))
     if expert < 0:  # past the last distinct expert
@@ -92,11 +99,16 @@ def _gate_up_kernel(
             mask=mine[:, None] & k_ok[None, :],
             other=0.0,
         )  # [BLOCK_T, BLOCK_K], only the rows of tokens that chose this expert
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        acc_g += _rows_times_w(a, tl.load(gate + ks[None, :], mask=w_mask, other=0.0), USE_DOT,
-                               PRECISION)  # fmt: skip
-        acc_u += _rows_times_w(a, tl.load(up + ks[None, :], mask=w_mask, other=0.0), USE_DOT,
-                               PRECISION)  # fmt: skip
+        if USE_TMA:  # [E·2I, H] boxes: K past H reads as zeros; rows past I are not stored
+            row = (expert * 2 * inter + tl.program_id(1) * BLOCK_N).to(tl.int32)
+            w_g = w_desc.load([row, k0])
+            w_u = w_desc.load([row + inter, k0])
+        else:
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_g = tl.load(gate + ks[None, :], mask=w_mask, other=0.0)
+            w_u = tl.load(up + ks[None, :], mask=w_mask, other=0.0)
+        acc_g += _rows_times_w(a, w_g, USE_DOT, PRECISION)
+        acc_u += _rows_times_w(a, w_u, USE_DOT, PRECISION)
     keep = mine[:, None] & col_ok[None, :]
     if SPLIT > 1:  # float32 partial sums [S, R, 2I]: the down kernel adds them and activates
         part = part_ptr + split * stride_ps + pair[:, None].to(tl.int64) * stride_pr + cols[None, :]
@@ -119,11 +131,12 @@ def _silu_mul_rounded(acc_g, acc_u, dt: tl.constexpr):
 
 @triton.jit
 def _down_kernel(
-    h_ptr, part_ptr, w_ptr, ids_ptr, groups_ptr, y_ptr, ypart_ptr, t, hidden, inter, k_chunk,
+    h_ptr, part_ptr, w_ptr, w_desc, ids_ptr, groups_ptr, y_ptr, ypart_ptr, t, hidden, inter,
+    k_chunk,
     stride_h, stride_ps, stride_pr, stride_we, stride_wn, stride_y, stride_ys, stride_yr,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    GU_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    GU_SPLIT: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     expert = tl.load(groups_ptr + tl.program_id(0))
     if expert < 0:
@@ -154,7 +167,10 @@ def _down_kernel(
                 mask=a_mask,
                 other=0.0,
             )
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_TMA:  # [E·H, I] boxes: K past I reads as zeros; rows past H are not stored
+            w = w_desc.load([(expert * hidden + tl.program_id(1) * BLOCK_N).to(tl.int32), k0])
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += _rows_times_w(a, w, USE_DOT, PRECISION)
     keep = mine[:, None] & col_ok[None, :]
     if SPLIT > 1:  # float32 partials [S, R, H], summed by the combine
@@ -186,6 +202,23 @@ def _tiles(
         rule = 128 if itemsize <= 2 and block_t <= 32 else 64
         return block_t, block_n, block_k or rule, True
     return block_t, block_n, block_k or max(16, min(256, 4096 // (block_t * block_n))), False
+
+
+def _weight_boxes(w: torch.Tensor, tma: bool, block_n: int, block_k: int) -> object:
+    """A tensor descriptor of the [E, N, K] weights seen as [E·N, K] in [block_n, block_k]
+    boxes (Hopper TMA loads, zero-filled past K), or `w` itself (pointer loads) where the
+    config asks for none, the GPU has no TMA (before sm_90) or the layout cannot be
+    described: TMA wants 16-byte aligned rows and a base, and boxes of at least 16 bytes.
+    (On the CPU, the interpreter emulates the descriptor's loads.)"""
+    e, n, k = w.shape
+    size = w.element_size()
+    if not tma or w.stride(0) != n * w.stride(1) or w.stride(2) != 1:
+        return w
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        return w
+    if (w.stride(1) * size) % 16 or w.data_ptr() % 16 or block_k * size < 16:
+        return w
+    return TensorDescriptor(w, (e * n, k), (w.stride(1), 1), (block_n, block_k))
 
 
 def _strips(size: int, split: int, block_k: int) -> tuple[int, int]:
@@ -237,12 +270,14 @@ def decode_experts(
     else:
         h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
         part = h  # unread
+    gu_w = _weight_boxes(gate_up, gu.tma, bn, bk)
     _gate_up_kernel[(g, triton.cdiv(inter, bn), gu_split)](
-        x, gate_up, ids, groups, h, part, t, hidden, inter, gu_chunk,
+        x, gate_up, gu_w, ids, groups, h, part, t, hidden, inter, gu_chunk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         part.stride(0), part.stride(1) if gu_split > 1 else 0,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
-        PRECISION=precision, SPLIT=gu_split, num_warps=gu.num_warps, num_stages=gu.num_stages,
+        PRECISION=precision, SPLIT=gu_split, USE_TMA=gu_w is not gate_up,
+        num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
     bt, bn, bk, dot = _tiles(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
     dn_split, dn_chunk = _strips(inter, dn.split_k, bk)
@@ -252,13 +287,15 @@ def decode_experts(
     else:
         y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
         ypart = y  # unread
+    dn_w = _weight_boxes(down, dn.tma, bn, bk)
     _down_kernel[(g, triton.cdiv(hidden, bn), dn_split)](
-        h, part, down, ids, groups, y, ypart, t, hidden, inter, dn_chunk,
+        h, part, down, dn_w, ids, groups, y, ypart, t, hidden, inter, dn_chunk,
         h.stride(0), part.stride(0), part.stride(1) if gu_split > 1 else 0,
         down.stride(0), down.stride(1), y.stride(0),
         ypart.stride(0), ypart.stride(1) if dn_split > 1 else 0,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
-        PRECISION=precision, GU_SPLIT=gu_split, SPLIT=dn_split, num_warps=dn.num_warps,
+        PRECISION=precision, GU_SPLIT=gu_split, SPLIT=dn_split, USE_TMA=dn_w is not down,
+        num_warps=dn.num_warps,
         num_stages=dn.num_stages,
     )  # fmt: skip
     return combine(ypart if dn_split > 1 else y, weights, x.dtype, residual, norm_weight, eps)
