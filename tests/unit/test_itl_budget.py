@@ -113,7 +113,8 @@ def test_the_worker_measures_the_steps_and_metrics_show_the_budget(
 
 
 def test_factor_defaults_by_device_and_off() -> None:
-    assert itl_budget_factor(EngineConfig(), torch.device("cuda")) == 0.0  # off: see FACTOR_DEFAULTS
+    # off by default: see FACTOR_DEFAULTS
+    assert itl_budget_factor(EngineConfig(), torch.device("cuda")) == 0.0
     assert itl_budget_factor(EngineConfig(), torch.device("cpu")) == 0.0
     assert itl_budget_factor(EngineConfig(itl_budget_factor=0), torch.device("cuda")) == 0.0
     assert itl_budget_factor(EngineConfig(itl_budget_factor=3), torch.device("cpu")) == 3.0

@@ -79,8 +79,13 @@ CASES: dict[str, Case] = {
     # split table (P = 4): rows of one piece (short, or a window inside one partition of a
     # long row) are written by their own program, the reduce skips them
     "decode_one_piece_rows": Case(
-        "decode", [400, 60, 0, 250, 129], kv_heads=1, partition_size=128, short_context=64,
-        window=100, workspace=True,
+        "decode",
+        [400, 60, 0, 250, 129],
+        kv_heads=1,
+        partition_size=128,
+        short_context=64,
+        window=100,
+        workspace=True,
     ),
     "decode_window_direct": Case("decode", [7, 45, 60], heads=4, kv_heads=1, block_n=32, window=20),
     # prompts, a chunk after a cached prefix, decode rows mixed in (q_len 1)
@@ -146,8 +151,16 @@ def _config_cases() -> dict[str, Case]:
     pairs = dict.fromkeys([*CONFIG_PAIRS, (DECODE_TABLE.block_n, DECODE_TABLE.short_piece)])
     return {
         f"decode_config_n{n}_piece{p}": Case(
-            "decode", [200, 100, 17, 0], heads=4, kv_heads=1, head_dim=32, block_n=n,
-            partition_size=128, short_context=128, short_piece=p, window=CONFIG_WINDOW.get((n, p)),
+            "decode",
+            [200, 100, 17, 0],
+            heads=4,
+            kv_heads=1,
+            head_dim=32,
+            block_n=n,
+            partition_size=128,
+            short_context=128,
+            short_piece=p,
+            window=CONFIG_WINDOW.get((n, p)),
         )  # fmt: skip
         for n, p in pairs
     }

@@ -16,14 +16,14 @@ grid (B, H_kv, P). Each program runs an online softmax over its partition with a
 [G padded to 16, D] against k tiles [BLOCK_N, D] (tensor-core tl.dot), and writes a partial
 output normalised by its own sum plus the partition's log-sum-exp. A small reduce kernel,
 grid (B, H), combines the P partials with weights exp(lse_p - max lse). When P == 1 the main
-kernel writes the output directly and no reduce runs; with P > 1 so does the program of
-a row whose visible keys lie in one partition (a short row, a window inside one piece), and
-the reduce exits at once for that row (`_tiles.partition_bounds` decides both). P and the partition length are runtime
-arguments (only "P > 1" is a compile-time flag), so new context and batch buckets do not
-recompile the kernels. With a wide
-persistent block table (sized for the longest context) and short contexts, most of those P
-programs would exit at once; `num_partitions=` fixes P instead and each row cuts its own
-visible context into P equal pieces at run time (still one grid per shape, graph safe).
+kernel writes the output directly and no reduce runs; with P > 1 so does the program of a
+row whose visible keys lie in one partition (a short row, a window inside one piece), and the
+reduce exits at once for that row (`_tiles.partition_bounds` decides both). P and the
+partition length are runtime arguments (only "P > 1" is a compile-time flag), so new context
+and batch buckets do not recompile the kernels. With a wide persistent block table (sized
+for the longest context) and short contexts, most of those P programs would exit at once;
+`num_partitions=` fixes P instead and each row cuts its own visible context into P equal
+pieces at run time (still one grid per shape, graph safe).
 
 Prefill is compute bound: flash-attention tiles of BLOCK_M query rows x BLOCK_N keys, where
 the M rows fold BLOCK_M // G query tokens x G heads of one kv head (row m is token m // G,
