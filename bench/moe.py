@@ -180,6 +180,13 @@ def main() -> None:
         help="decode kernels: steps of up to this many tokens as GEMVs, larger as tl.dot tiles "
         "(default: the kernels' GEMV_MAX_TOKENS; 0: tl.dot from one token)",
     )
+    ap.add_argument(
+        "--gate",
+        default="fused",
+        choices=("fused", "separate"),
+        help="decode path: the add + norm before a sparse block and its router's linear in one "
+        "launch (kernels/triton_moe_gate.py) or two",
+    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -197,6 +204,7 @@ def main() -> None:
             m.impl = args.experts
             m.decode_max_pairs = args.decode_max_pairs
             m.decode_gemv_tokens = args.decode_gemv_tokens
+            m.fuse_gate = args.gate == "fused"
     if args.routing == "zipf":
         skew_routers_(loaded.model, args.zipf_alpha)
     assert cfg.moe is not None
@@ -226,7 +234,7 @@ def main() -> None:
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
         f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
-        f"per step; experts {impl}, attention {runner.backend.name}, CUDA graphs "
+        f"per step; experts {impl}, gate {args.gate}, attention {runner.backend.name}, CUDA graphs "
         f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )

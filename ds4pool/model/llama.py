@@ -102,8 +102,16 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(next_norm(residual'), residual') where residual' is the stream after this layer:
         each residual add is fused with the norm that reads it (a sparse MLP's, on the
-        Triton decode path, with the experts' combine too: SparseMoeBlock.add_norm)."""
+        Triton decode path, with the experts' combine too: SparseMoeBlock.add_norm; and the
+        add + norm before it with the router's linear: SparseMoeBlock.decode_layer)."""
         a = self.self_attn(h, rope, cache, meta, ops)
+        if isinstance(self.mlp, SparseMoeBlock):
+            whole = self.mlp.decode_layer(
+                a, residual, self.post_attention_layernorm, next_norm, ops
+            )
+            if whole is not None:
+                residual, h = whole
+                return h, residual
         residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
         fused = None
         if isinstance(self.mlp, SparseMoeBlock):

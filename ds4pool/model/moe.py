@@ -207,12 +207,17 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] → [T, k]
         return route(self.moe, self.logits(x), self.e_score_correction_bias)
 
-    def route_decode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights, ids, groups) for the decode path: the router's linear, then the routing
-        and the step's expert groups in one Triton launch."""
+    def route_decode(
+        self, x: torch.Tensor, logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, ids, groups) for the decode path: the router's linear (unless `logits`
+        come made, SparseMoeBlock.decode_layer), then the routing and the step's expert
+        groups in one Triton launch."""
         from ds4pool.model.kernels.triton_moe_route import route_fused
 
-        return route_fused(self.moe, self.logits(x), self.e_score_correction_bias)
+        if logits is None:
+            logits = self.logits(x)
+        return route_fused(self.moe, logits, self.e_score_correction_bias)
 
 
 class Experts(nn.Module):
@@ -247,6 +252,9 @@ class SparseMoeBlock(nn.Module):
         # the decode kernels' launch configuration (triton_moe_configs.DecodeConfig); None:
         # their table by token count (bench/moe_layer.py --sweep sets candidates here)
         self.decode_config: DecodeConfig | None = None
+        # decode_layer runs the add + norm before the block and the router's linear in one
+        # launch (kernels/triton_moe_gate.py); False: two (benchmarks compare them)
+        self.fuse_gate = True
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
@@ -265,18 +273,48 @@ class SparseMoeBlock(nn.Module):
             return None
         return residual, self._decode(x, residual, norm)
 
+    def decode_layer(
+        self,
+        a: torch.Tensor,  # [T, H] the attention's output
+        residual: torch.Tensor,
+        pre_norm: RMSNorm,  # the layer's post-attention norm, this block's input
+        next_norm: RMSNorm,
+        ops: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's MLP half, (residual'', next_norm(residual'')), in four launches where
+        add_norm applies and the router is a softmax one: the add, this block's input norm and
+        the router's linear in one (kernels/triton_moe_gate.py), then route, experts and
+        the combine with the next add + norm. None elsewhere: the caller runs the add + norm
+        and add_norm."""
+        if not self.fuse_gate or self.gate.moe.router == "sigmoid_group_topk":
+            return None  # DeepSeek-V3's scores are float32 logits of float32 inputs
+        if getattr(ops, "name", None) != "triton" or self.shared_experts is not None:
+            return None
+        if not self._takes_decode(a):
+            return None
+        from ds4pool.model.kernels.triton_moe_gate import add_norm_logits
+
+        residual, h, logits = add_norm_logits(
+            a, residual, pre_norm.weight, pre_norm.eps, self.gate.weight
+        )
+        return residual, self._decode(h, residual, next_norm, logits)
+
     def _takes_decode(self, x: torch.Tensor) -> bool:
         pairs = x.shape[0] * self.gate.moe.top_k
         chosen = expert_impl(x.device, x.dtype, self.impl, pairs, self.decode_max_pairs)
         return chosen == "decode"
 
     def _decode(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: RMSNorm | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        norm: RMSNorm | None = None,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decode kernels' output; with `residual` and `norm`, norm(residual += it)."""
         from ds4pool.model.kernels.triton_moe_decode import decode_experts
 
-        weights, ids, groups = self.gate.route_decode(x)
+        weights, ids, groups = self.gate.route_decode(x, logits)
         if self.observer is not None:
             self.observer(ids)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
