@@ -16,11 +16,14 @@ import pytest
 
 from tests.interpreter import interpreter_results, print_cases
 
-# case → (tokens, hidden, experts, dtype): non-power-of-two hidden and experts, one token
-KERNEL_CASES: dict[str, tuple[int, int, int, str]] = {
-    "one_token": (1, 64, 16, "float32"),
-    "ragged": (5, 48, 20, "float32"),
-    "fp16_many_tokens": (17, 64, 8, "float16"),
+# case → (tokens, hidden, experts, dtype, experts a program; 0: the default):
+# non-power-of-two hidden and experts, one token, a program per expert, a partial last block
+KERNEL_CASES: dict[str, tuple[int, int, int, str, int]] = {
+    "one_token": (1, 64, 16, "float32", 0),
+    "ragged": (5, 48, 20, "float32", 0),
+    "fp16_many_tokens": (17, 64, 8, "float16", 0),
+    "an_expert_a_program": (3, 48, 20, "float32", 1),
+    "wide_blocks": (2, 48, 20, "float32", 16),
 }
 # case → (router, tokens)
 LAYER_CASES: dict[str, tuple[str, int]] = {
@@ -37,7 +40,7 @@ def _kernel_case(name: str) -> dict[str, Any]:
     from ds4pool.model.kernels.triton_fused import rms_norm
     from ds4pool.model.kernels.triton_moe_gate import add_norm_logits
 
-    t, hidden, experts, dtype_name = KERNEL_CASES[name]
+    t, hidden, experts, dtype_name, block_e = KERNEL_CASES[name]
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(len(name))
     a = torch.randn(t, hidden, generator=g).to(dtype)
@@ -45,7 +48,7 @@ def _kernel_case(name: str) -> dict[str, Any]:
     norm_w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     router_w = (torch.randn(experts, hidden, generator=g) * 0.1).to(dtype)
     before = residual.clone()
-    got_r, got_h, got_l = add_norm_logits(a, residual, norm_w, 1e-6, router_w)
+    got_r, got_h, got_l = add_norm_logits(a, residual, norm_w, 1e-6, router_w, block_e=block_e)
     want_r = residual.clone()
     want_h = rms_norm(a, norm_w, 1e-6, residual=want_r)
     want_l = F.linear(want_h.float(), router_w.float())

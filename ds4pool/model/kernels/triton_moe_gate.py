@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_E = 8  # experts a program dots: 16 programs a token for 128 experts
+# Experts a program dots, and its warps: ONE launch for every T, because they set how a row's
+# logits are summed (the tile's layout), and a row must get the same bits alone or in a batch.
+# From `python3 bench/moe_gate.py --tokens 1 8 64` on the H200 (2026-12-02, µs a layer for
+# Qwen3-30B-A3B's 2048 x 128 router at T = 1 / 8 / 64; the two launches 7.06 / 7.38 / 7.53):
+# 8 x 4 warps 2.78 / 3.05 / 6.87, faster at every T; 2 x 8 (2.43 / 2.92 / 11.91) and 4 x 8
+# (2.48 / 2.85 / 8.70) win at batch 1 but lose at 64, 16 x 4 (3.33 / 3.36 / 6.54) the reverse.
+BLOCK_E = 8
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -39,6 +46,13 @@ def _norm_logits_kernel(
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
     c_ok = cols < n
+    es = block * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = es < e
+    w = tl.load(  # first: its latency overlaps the row's loads and norm
+        rw_ptr + es[:, None] * stride_w + cols[None, :],
+        mask=e_ok[:, None] & c_ok[None, :],
+        other=0.0,
+    )
     x = tl.load(a_ptr + row * stride_a + cols, mask=c_ok, other=0.0)
     x = x + tl.load(res_ptr + row * stride_r + cols, mask=c_ok, other=0.0)
     hf = x.to(tl.float32)
@@ -48,13 +62,6 @@ def _norm_logits_kernel(
     mine = cols < tl.where(block == 0, n, 0)  # expert block 0 stores the row
     tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mine)
     tl.store(h_ptr + row * stride_h + cols, y, mask=mine)
-    es = block * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = es < e
-    w = tl.load(
-        rw_ptr + es[:, None] * stride_w + cols[None, :],
-        mask=e_ok[:, None] & c_ok[None, :],
-        other=0.0,
-    )
     logits = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + row * stride_l + es, logits.to(logits_ptr.dtype.element_ty), mask=e_ok)
 
@@ -65,6 +72,8 @@ def add_norm_logits(
     norm_weight: torch.Tensor,  # [H]
     eps: float,
     router_weight: torch.Tensor,  # [E, H]
+    block_e: int = 0,  # 0: BLOCK_E (bench/moe_gate.py times others)
+    num_warps: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(residual + a, rms_norm(residual + a), logits [T, E]), all in a's dtype."""
     t, n = a.shape
@@ -82,10 +91,11 @@ def add_norm_logits(
     if router_weight.stride(1) != 1:
         router_weight = router_weight.contiguous()
     block_h = triton.next_power_of_2(n)
-    _norm_logits_kernel[(triton.cdiv(e, BLOCK_E), t)](
+    block_e, num_warps = block_e or BLOCK_E, num_warps or NUM_WARPS
+    _norm_logits_kernel[(triton.cdiv(e, block_e), t)](
         a, residual, norm_weight, router_weight, res_out, h, logits, n, e, eps,
         a.stride(0), residual.stride(0), res_out.stride(0), h.stride(0),
         router_weight.stride(0), logits.stride(0),
-        BLOCK_H=block_h, BLOCK_E=BLOCK_E, num_warps=8,
+        BLOCK_H=block_h, BLOCK_E=block_e, num_warps=num_warps,
     )  # fmt: skip
     return res_out, h, logits
