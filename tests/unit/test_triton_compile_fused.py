@@ -20,6 +20,7 @@ if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRE
 prologue = pytest.importorskip("ds4pool.model.kernels.triton_prologue")
 moe_decode = pytest.importorskip("ds4pool.model.kernels.triton_moe_decode")
 moe_combine = pytest.importorskip("ds4pool.model.kernels.triton_moe_combine")
+moe_gate = pytest.importorskip("ds4pool.model.kernels.triton_moe_gate")
 
 pytest.importorskip("triton.backends.compiler")  # the NVIDIA backend, to compile for sm_90
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -60,9 +61,12 @@ def tma_without_spills(kernel: object) -> None:
 
 
 @pytest.mark.parametrize("norm, block_kv", [(True, 4), (False, 8)])  # Qwen3-30B-A3B, Llama-3-8B
-def test_prologue_compiles(norm: bool, block_kv: int) -> None:
-    consts = dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=block_kv, HAS_NORM=norm)
-    compile_sm90(prologue._prologue_kernel, consts)
+@pytest.mark.parametrize("trigger", [False, True])
+def test_prologue_compiles(norm: bool, block_kv: int, trigger: bool) -> None:
+    consts = dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=block_kv, HAS_NORM=norm,
+                  TRIGGER=trigger)  # fmt: skip
+    kernel = compile_sm90(prologue._prologue_kernel, consts)
+    assert ("griddepcontrol.launch_dependents" in kernel.asm["ptx"]) == trigger
 
 
 @pytest.mark.parametrize("split, dot", [(1, True), (2, True), (4, False)])  # dot or GEMV
@@ -82,10 +86,19 @@ def test_moe_down_compiles(gu_split: int, split: int) -> None:
     compile_sm90(moe_decode._down_kernel, consts, 8, 2, frozenset(f32))
 
 
-@pytest.mark.parametrize("norm, split", [(False, 1), (True, 1), (True, 2)])
-def test_moe_combine_compiles(norm: bool, split: int) -> None:
-    consts = dict(TOP_K=8, BLOCK_N=2048 if norm else 256, SPLIT=split, NORM=norm)
-    compile_sm90(moe_combine._combine_kernel, consts, f32=frozenset({"y_ptr"} if split > 1 else ()))
+@pytest.mark.parametrize("norm, split, gdc", [(False, 1, False), (True, 1, True), (True, 2, True)])
+def test_moe_combine_compiles(norm: bool, split: int, gdc: bool) -> None:
+    consts = dict(TOP_K=8, BLOCK_N=2048 if norm else 256, SPLIT=split, NORM=norm, USE_GDC=gdc)
+    f32 = frozenset({"y_ptr"} if split > 1 else ())
+    kernel = compile_sm90(moe_combine._combine_kernel, consts, f32=f32)
+    assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == gdc  # a PDL launch waits first
+
+
+@pytest.mark.parametrize("trigger", [False, True])
+def test_moe_gate_compiles(trigger: bool) -> None:
+    consts = dict(BLOCK_H=2048, BLOCK_E=8, TRIGGER=trigger)
+    kernel = compile_sm90(moe_gate._norm_logits_kernel, consts, 4, 1)
+    assert ("griddepcontrol.launch_dependents" in kernel.asm["ptx"]) == trigger
 
 
 # TMA weight boxes (ProjTiles.tma) at the H200's one-token configs (triton_moe_configs
