@@ -19,7 +19,8 @@ path: one matmul pair per expert that some token chose (it reads which ones on t
 For small decode steps (T·k ≤ `DECODE_MAX_PAIRS`) "auto" on CUDA takes the decode path
 instead: the router fused into one launch (model/kernels/triton_moe_route.py), then gate_up,
 down and combine kernels that read each chosen expert once (triton_moe_decode.py), five
-launches per layer with the router's linear instead of ~15. All combine a token's k outputs
+launches per layer with the router's linear instead of ~15; four where the gate_up launch
+does the routing itself (`ROUTE_IN_GATE_UP`). All combine a token's k outputs
 in its top-k order, in float32, so they agree to rounding.
 """
 
@@ -39,6 +40,7 @@ from ds4pool.model.routers import route
 
 if TYPE_CHECKING:  # kernels/ stays unimported at module level (triton is CUDA-only)
     from ds4pool.model.kernels.triton_moe_configs import DecodeConfig
+    from ds4pool.model.kernels.triton_moe_route import DeferredRoute
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] gate|up → [R, I]
 
@@ -103,6 +105,16 @@ SYNC_FREE = ("grouped_mm", "triton", "decode")
 # 2026-12-01): the decode path is faster at every T from 1 to 64 (422 vs 517 µs a layer at
 # 64 tokens); past 64 tokens it was not measured, so prefill chunks keep the grouped GEMMs.
 DECODE_MAX_PAIRS = 512
+# Where the decode path routes inside its gate_up launch (every program computes the step's
+# routing from the [T, E] logits, one stores it: triton_moe_route.DeferredRoute) instead of
+# in a route launch of its own: a launch and a dependent gap fewer a layer (the route
+# launch was 4.5 µs of 48 sparse layers' 3.88 ms batch-1 step on the H200), for routing
+# work in every gate_up program before its first weight load, which grows with T·E·k:
+# token counts past ROUTE_IN_GATE_UP_MAX_TOKENS keep the launch until the H200 says
+# otherwise (bench/moe_layer.py --route). DeepSeek-V3's group-limited router (N_GROUP more
+# argmax rounds a program) keeps it too; the kernels take it either way (the same code).
+ROUTE_IN_GATE_UP = ("softmax_topk", "topk_softmax")
+ROUTE_IN_GATE_UP_MAX_TOKENS = 8
 
 
 def expert_impl(
@@ -208,16 +220,20 @@ class Router(nn.Module):
         return route(self.moe, self.logits(x), self.e_score_correction_bias)
 
     def route_decode(
-        self, x: torch.Tensor, logits: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights, ids, groups) for the decode path: the router's linear (unless `logits`
-        come made, SparseMoeBlock.decode_layer), then the routing and the step's expert
-        groups in one Triton launch."""
-        from ds4pool.model.kernels.triton_moe_route import route_fused
+        self, x: torch.Tensor, logits: torch.Tensor | None = None, defer: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DeferredRoute | None]:
+        """(weights, ids, groups, None) for the decode path: the router's linear (unless
+        `logits` come made, SparseMoeBlock.decode_layer), then the routing and the step's
+        expert groups in one Triton launch. With `defer`, no launch: the three are empty,
+        and the DeferredRoute that decode_experts' gate_up launch routes by (it fills them)."""
+        from ds4pool.model.kernels.triton_moe_route import route_deferred, route_fused
 
         if logits is None:
             logits = self.logits(x)
-        return route_fused(self.moe, logits, self.e_score_correction_bias)
+        if defer:
+            route = route_deferred(self.moe, logits, self.e_score_correction_bias)
+            return route.weights, route.ids, route.groups, route
+        return (*route_fused(self.moe, logits, self.e_score_correction_bias), None)
 
 
 class Experts(nn.Module):
@@ -255,6 +271,9 @@ class SparseMoeBlock(nn.Module):
         # decode_layer runs the add + norm before the block and the router's linear in one
         # launch (kernels/triton_moe_gate.py); False: two (benchmarks compare them)
         self.fuse_gate = True
+        # the routing inside the gate_up launch (True), in a launch of its own (False), or
+        # None: by ROUTE_IN_GATE_UP and ROUTE_IN_GATE_UP_MAX_TOKENS (benchmarks A/B them)
+        self.decode_route_in_gate_up: bool | None = None
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
@@ -314,15 +333,24 @@ class SparseMoeBlock(nn.Module):
         """The decode kernels' output; with `residual` and `norm`, norm(residual += it)."""
         from ds4pool.model.kernels.triton_moe_decode import decode_experts
 
-        weights, ids, groups = self.gate.route_decode(x, logits)
-        if self.observer is not None:
-            self.observer(ids)
+        defer = self.routes_in_gate_up(len(x))
+        weights, ids, groups, route = self.gate.route_decode(x, logits, defer)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        return decode_experts(
+        out = decode_experts(
             x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config,
             residual=residual, norm_weight=None if norm is None else norm.weight,
-            eps=0.0 if norm is None else norm.eps,
+            eps=0.0 if norm is None else norm.eps, route=route,
         )  # fmt: skip
+        if self.observer is not None:  # after: the gate_up launch may be what fills the ids
+            self.observer(ids)
+        return out
+
+    def routes_in_gate_up(self, tokens: int) -> bool:
+        """Whether a decode step of `tokens` routes inside the gate_up launch."""
+        if self.decode_route_in_gate_up is not None:
+            return self.decode_route_in_gate_up
+        fits = tokens <= ROUTE_IN_GATE_UP_MAX_TOKENS
+        return fits and self.gate.moe.router in ROUTE_IN_GATE_UP
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
         if self._takes_decode(x):

@@ -45,7 +45,8 @@ def compile_sm90(
         consts = {"USE_TMA": box is not None, **consts}
     types = {"w_desc": f"tensordesc<bf16[{box[0]},{box[1]}]>" if box else "*bf16"}
     return triton_compile.compile_sm90(
-        fn, consts, num_warps, num_stages, pointers=pointers, f32_scalars={"eps", "factor"},
+        fn, consts, num_warps, num_stages, pointers=pointers,
+        f32_scalars={"eps", "factor", "scaling"},
         types=types,
     )  # fmt: skip
 
@@ -69,13 +70,30 @@ def test_prologue_compiles(norm: bool, block_kv: int, trigger: bool) -> None:
     assert ("griddepcontrol.launch_dependents" in kernel.asm["ptx"]) == trigger
 
 
-@pytest.mark.parametrize("split, dot", [(1, True), (2, True), (4, False)])  # dot or GEMV
-def test_moe_gate_up_compiles(split: int, dot: bool) -> None:
-    consts = dict(TOP_K=8, BLOCK_T=16 if dot else 1, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=128,
-                  USE_DOT=dot, PRECISION="tf32", SPLIT=split)  # fmt: skip
-    compile_sm90(
-        moe_decode._gate_up_kernel, consts, 4, 4, frozenset({"h_ptr"} if split > 1 else ())
-    )
+# a gate_up launch's routing constexprs: none (the groups are given), or the Qwen3-30B-A3B
+# router's (softmax top-8 of 128, renormalised) over `tokens` (triton_moe_route.route_args)
+def gate_up_route(tokens: int | None) -> dict:
+    if tokens is None:
+        return dict(moe_decode._no_route(None)[1], ROUTE=False)  # type: ignore[arg-type]
+    return dict(ROUTE=True, ROUTER=0, NORMALIZE=True, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1,
+                ROUTE_T=tokens, BLOCK_E=128, BLOCK_G=min(128, 8 * tokens), BLOCK_NG=1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "split, dot, route",
+    [(1, True, None), (2, True, None), (4, False, None), (1, True, 1), (1, False, 1),
+     (2, True, 8), (1, True, 32)],
+)  # fmt: skip
+def test_moe_gate_up_compiles(split: int, dot: bool, route: int | None) -> None:
+    """Dot or GEMV tiles, split-K, and the routing in the kernel (the router's rows fewer
+    than the tile's at one token, as many at 32)."""
+    consts = dict(TOP_K=8, BLOCK_T=max(16, route or 1) if dot else 1, BLOCK_KS=8, BLOCK_N=32,
+                  BLOCK_K=128, USE_DOT=dot, PRECISION="tf32", SPLIT=split,
+                  **gate_up_route(route))  # fmt: skip
+    f32 = {"h_ptr"} if split > 1 else set()
+    if route is not None:  # the logits of a bf16 model's router
+        f32.add("bias_ptr")
+    compile_sm90(moe_decode._gate_up_kernel, consts, 4, 4, frozenset(f32))
 
 
 @pytest.mark.parametrize("gu_split, split", [(1, 1), (2, 1), (1, 4), (4, 2)])
@@ -109,8 +127,8 @@ def test_moe_gate_compiles(trigger: bool) -> None:
 )
 def test_moe_gate_up_compiles_with_tma(n: int, k: int, split: int, dot: bool, stages: int) -> None:
     consts = dict(TOP_K=8, BLOCK_T=16 if dot else 1, BLOCK_KS=8, BLOCK_N=n, BLOCK_K=k,
-                  USE_DOT=dot, PRECISION="tf32", SPLIT=split)  # fmt: skip
-    f32 = frozenset({"h_ptr"} if split > 1 else ())
+                  USE_DOT=dot, PRECISION="tf32", SPLIT=split, **gate_up_route(1))  # fmt: skip
+    f32 = frozenset({"h_ptr", "bias_ptr"} if split > 1 else {"bias_ptr"})
     tma_without_spills(compile_sm90(moe_decode._gate_up_kernel, consts, 4, stages, f32, (n, k)))
 
 

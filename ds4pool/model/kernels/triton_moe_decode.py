@@ -43,7 +43,23 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
-from ds4pool.model.kernels.triton_moe_route import pow2
+from ds4pool.model.kernels.triton_moe_route import (
+    DeferredRoute,
+    pow2,
+    route_args,
+    route_in_program,
+)
+
+
+@triton.jit
+def _rows_of_ids(ids, expert, TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_KS: tl.constexpr):
+    """ids [ROWS, BLOCK_KS] (-1: no pair) → (whether each token chose `expert`, its pair
+    t·k + j), both [ROWS]."""
+    slot = tl.arange(0, BLOCK_KS)
+    match = ids == expert
+    mine = tl.max(match.to(tl.int32), axis=1) > 0
+    pair = tl.arange(0, ROWS) * TOP_K + tl.sum(tl.where(match, slot[None, :], 0), axis=1)
+    return mine, pair
 
 
 @triton.jit
@@ -57,10 +73,20 @@ def _rows_of_group(ids_ptr, expert, t, TOP_K: tl.constexpr, BLOCK_T: tl.constexp
         mask=(tok < t)[:, None] & (slot < TOP_K)[None, :],
         other=-1,
     )
-    match = ids == expert
-    mine = tl.max(match.to(tl.int32), axis=1) > 0
-    pair = tok * TOP_K + tl.sum(tl.where(match, slot[None, :], 0), axis=1)
+    mine, pair = _rows_of_ids(ids, expert, TOP_K, BLOCK_T, BLOCK_KS)
     return tok, mine, pair
+
+
+@triton.jit
+def _widen(v, ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """v [ROWS] int32 → [BLOCK_T] (ROWS <= BLOCK_T), 0 past ROWS: the router's rows (a
+    power of two over T) as the tile's (at least 16 rows for tl.dot)."""
+    if ROWS == BLOCK_T:
+        out = v
+    else:
+        hit = tl.arange(0, BLOCK_T)[:, None] == tl.arange(0, ROWS)[None, :]
+        out = tl.sum(tl.where(hit, v[None, :], 0), axis=1)
+    return out
 
 
 @triton.jit
@@ -75,14 +101,31 @@ def _rows_times_w(a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
 def _gate_up_kernel(
     x_ptr, w_ptr, w_desc, ids_ptr, groups_ptr, h_ptr, part_ptr, t, hidden, inter, k_chunk,
     stride_x, stride_we, stride_wn, stride_h, stride_ps, stride_pr,
+    logits_ptr, bias_ptr, weights_ptr, e, num_groups, stride_l, scaling,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
+    ROUTE: tl.constexpr, ROUTER: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROUTE_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_NG: tl.constexpr,
 ):  # fmt: skip
-    expert = tl.load(groups_ptr + tl.program_id(0))
-    if expert < 0:  # past the last distinct expert
-        return
-    tok, mine, pair = _rows_of_group(ids_ptr, expert, t, TOP_K, BLOCK_T, BLOCK_KS)
+    if ROUTE:  # the step's routing from its logits, here instead of in a launch of its own
+        expert, ids = route_in_program(
+            logits_ptr, bias_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups,
+            stride_l, scaling, ROUTER, TOP_K, NORMALIZE, HAS_BIAS, N_GROUP, TOPK_GROUP,
+            ROUTE_T, BLOCK_E, BLOCK_KS, BLOCK_G, BLOCK_NG,
+        )  # fmt: skip
+        if expert < 0:  # past the last distinct expert
+            return
+        mine, pair = _rows_of_ids(ids, expert, TOP_K, ROUTE_T, BLOCK_KS)
+        tok = tl.arange(0, BLOCK_T)
+        mine = _widen(mine.to(tl.int32), ROUTE_T, BLOCK_T) > 0
+        pair = _widen(pair, ROUTE_T, BLOCK_T)
+    else:
+        expert = tl.load(groups_ptr + tl.program_id(0))
+        if expert < 0:  # past the last distinct expert
+            return
+        tok, mine, pair = _rows_of_group(ids_ptr, expert, t, TOP_K, BLOCK_T, BLOCK_KS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # of I: gate row c, up row I + c
     col_ok = cols < inter
     gate = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn
@@ -227,6 +270,13 @@ def _strips(size: int, split: int, block_k: int) -> tuple[int, int]:
     return triton.cdiv(size, chunk), chunk
 
 
+def _no_route(unread: torch.Tensor) -> tuple[list[object], dict[str, object]]:
+    """route_args' place in a gate_up launch that does not route (the groups are given)."""
+    consts = dict(ROUTER=0, NORMALIZE=False, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1,
+                  ROUTE_T=1, BLOCK_E=1, BLOCK_G=1, BLOCK_NG=1)  # fmt: skip
+    return [unread, unread, unread, 0, 0, 0, 0.0], consts
+
+
 def decode_experts(
     x: torch.Tensor,  # [T, H]
     weights: torch.Tensor,  # [T, k] float32
@@ -239,11 +289,16 @@ def decode_experts(
     residual: torch.Tensor | None = None,  # [T, H]: fuse the layer's residual add + norm
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    route: DeferredRoute | None = None,  # the gate_up routes: weights, ids, groups are its
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · down[e](silu·mul(gate_up[e] x[t])) for each token's k experts
     e = ids[t, j]: three launches (gate_up, down, combine), whatever the splits. With
     `residual`, the combine also adds the sum into it (in place) and returns the RMSNorm of
-    the result by `norm_weight` (triton_moe_combine.py)."""
+    the result by `norm_weight` (triton_moe_combine.py). With `route`
+    (triton_moe_route.route_deferred), the gate_up launch routes the step itself and fills
+    route's weights, ids and groups (passed as those three) for the launches after it."""
+    if route is not None:
+        assert weights is route.weights and ids is route.ids and groups is route.groups
     t, hidden = x.shape
     experts, two_i, hidden_w = gate_up.shape
     k = ids.shape[1]
@@ -271,13 +326,14 @@ def decode_experts(
         h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
         part = h  # unread
     gu_w = _weight_boxes(gate_up, gu.tma, bn, bk)
+    r_args, r_consts = route_args(route) if route is not None else _no_route(ids)
     _gate_up_kernel[(g, triton.cdiv(inter, bn), gu_split)](
         x, gate_up, gu_w, ids, groups, h, part, t, hidden, inter, gu_chunk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        part.stride(0), part.stride(1) if gu_split > 1 else 0,
+        part.stride(0), part.stride(1) if gu_split > 1 else 0, *r_args,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, SPLIT=gu_split, USE_TMA=gu_w is not gate_up,
-        num_warps=gu.num_warps, num_stages=gu.num_stages,
+        ROUTE=route is not None, **r_consts, num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
     bt, bn, bk, dot = _tiles(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
     dn_split, dn_chunk = _strips(inter, dn.split_k, bk)

@@ -18,6 +18,8 @@ its top-k unsorted, so its slot order is the torch implementation's; here it is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -63,14 +65,29 @@ def _group_limit(choice, col, e, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups, stride_l,
-    scaling,
-    ROUTER: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _pairwise_sum(v, ROWS: tl.constexpr, N: tl.constexpr):
+    """v [ROWS, N] (N a power of two, at most 1024) → [ROWS]: Σ over the row as a fixed tree
+    of pairs. Every add takes two values, and a + b == b + a, so the bits do not depend on
+    how the compiler lays the tile over threads (num_warps, the kernel around it), which a
+    tl.sum's order does: each kernel that routes gets the weights of the others."""
+    for i in tl.static_range(10):
+        if (N >> i) > 1:
+            a, b = tl.split(tl.reshape(v, (ROWS, N >> (i + 1), 2)))
+            v = a + b
+    return tl.reshape(v, (ROWS,))
+
+
+@triton.jit
+def _route_choice(
+    logits_ptr, bias_ptr, t, e, stride_l,
+    ROUTER: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_NG: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_NG: tl.constexpr,
 ):  # fmt: skip
+    """The experts each token chooses: (x [BLOCK_T, BLOCK_E] float32 logits, -inf past E;
+    top_w [BLOCK_T, BLOCK_KS] the chosen experts' scores, top_i their ids int32, slot j the
+    j-th best (both 0 past TOP_K); used [BLOCK_E] int32, 1 where a token of the step chose
+    expert e)."""
     tok = tl.arange(0, BLOCK_T)
     col = tl.arange(0, BLOCK_E)
     slot = tl.arange(0, BLOCK_KS)
@@ -82,7 +99,6 @@ def _route_kernel(
         other=0.0,
     ).to(tl.float32)
     x = tl.where(e_ok[None, :], x, float("-inf"))  # [BLOCK_T, BLOCK_E]
-    top = tl.max(x, axis=1)  # [BLOCK_T]
     scores = x  # what the weights are made of (DeepSeek: the sigmoid scores)
     vals = x  # what chooses
     if ROUTER == 2:
@@ -99,30 +115,106 @@ def _route_kernel(
     for j in range(TOP_K):  # a loop, not unrolled: compile time
         idx = tl.argmax(vals, axis=1, tie_break_left=True)
         hit = col[None, :] == idx[:, None]
-        picked = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # scores[t, idx[t]]
+        picked = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # scores[t, idx[t]]: exact
         top_w = tl.where(slot[None, :] == j, picked[:, None], top_w)
         top_i = tl.where(slot[None, :] == j, idx[:, None], top_i)
         used = tl.maximum(used, tl.max((hit & t_ok[:, None]).to(tl.int32), axis=0))
         vals = tl.where(hit, float("-inf"), vals)
-    s_ok = slot[None, :] < TOP_K
+    return x, top_w, top_i, used
+
+
+@triton.jit
+def _route_weights(
+    x, top_w, scaling,
+    ROUTER: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr,
+):  # fmt: skip
+    """_route_choice's (x, top_w) → the weights [BLOCK_T, BLOCK_KS] float32, 0 past TOP_K."""
+    s_ok = tl.arange(0, BLOCK_KS)[None, :] < TOP_K
+    top = tl.max(x, axis=1)  # [BLOCK_T]
     if ROUTER == 0:  # softmax over all E, then the top k
-        denom = tl.sum(tl.exp(x - top[:, None]), axis=1)
+        denom = _pairwise_sum(tl.exp(x - top[:, None]), BLOCK_T, BLOCK_E)
         w = tl.where(s_ok, tl.exp(top_w - top[:, None]) / denom[:, None], 0.0)
         if NORMALIZE:
-            w = w / tl.sum(w, axis=1)[:, None]
+            w = w / _pairwise_sum(w, BLOCK_T, BLOCK_KS)[:, None]
     elif ROUTER == 1:  # softmax over the k chosen logits
         w = tl.where(s_ok, tl.exp(top_w - top[:, None]), 0.0)
-        w = w / tl.sum(w, axis=1)[:, None]
+        w = w / _pairwise_sum(w, BLOCK_T, BLOCK_KS)[:, None]
     else:
         w = tl.where(s_ok, top_w, 0.0)
         if NORMALIZE:
-            w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+            w = w / (_pairwise_sum(w, BLOCK_T, BLOCK_KS)[:, None] + 1e-20)
         w = w * scaling
+    return w
+
+
+@triton.jit
+def _store_route(
+    w, top_i, used, weights_ptr, ids_ptr, groups_ptr, t, num_groups,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """weights [T, k], ids [T, k] int64 and groups [G] of a routed step."""
+    tok = tl.arange(0, BLOCK_T)
+    slot = tl.arange(0, BLOCK_KS)
     out = tok[:, None] * TOP_K + slot[None, :]
-    mask = t_ok[:, None] & s_ok
+    mask = (tok < t)[:, None] & (slot < TOP_K)[None, :]
     tl.store(weights_ptr + out, w, mask=mask)
     tl.store(ids_ptr + out, top_i.to(tl.int64), mask=mask)
-    _store_groups(used, col, groups_ptr, num_groups, BLOCK_G)
+    _store_groups(used, tl.arange(0, BLOCK_E), groups_ptr, num_groups, BLOCK_G)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups, stride_l,
+    scaling,
+    ROUTER: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+):  # fmt: skip
+    x, top_w, top_i, used = _route_choice(
+        logits_ptr, bias_ptr, t, e, stride_l, ROUTER, TOP_K, HAS_BIAS, N_GROUP, TOPK_GROUP,
+        BLOCK_T, BLOCK_E, BLOCK_KS, BLOCK_NG,
+    )  # fmt: skip
+    w = _route_weights(x, top_w, scaling, ROUTER, TOP_K, NORMALIZE, BLOCK_T, BLOCK_E, BLOCK_KS)
+    _store_route(w, top_i, used, weights_ptr, ids_ptr, groups_ptr, t, num_groups,
+                 TOP_K, BLOCK_T, BLOCK_E, BLOCK_KS, BLOCK_G)  # fmt: skip
+
+
+@triton.jit
+def route_in_program(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups, stride_l,
+    scaling,
+    ROUTER: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
+):  # fmt: skip
+    """The step's routing inside an expert kernel's program of group g = program_id(0)
+    (triton_moe_decode's gate_up with a DeferredRoute): (its expert, the g-th distinct one
+    ascending as groups[g] would be, or -1 past the last; ids [BLOCK_T, BLOCK_KS] int32, -1
+    where no pair is). Program (0, 0, 0) also stores what _route_kernel stores, for the
+    launches after this one; every program routes alike, so each has the same answer."""
+    x, top_w, top_i, used = _route_choice(
+        logits_ptr, bias_ptr, t, e, stride_l, ROUTER, TOP_K, HAS_BIAS, N_GROUP, TOPK_GROUP,
+        BLOCK_T, BLOCK_E, BLOCK_KS, BLOCK_NG,
+    )  # fmt: skip
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
+    if first:  # the weights only here: no other program needs them
+        w = _route_weights(x, top_w, scaling, ROUTER, TOP_K, NORMALIZE, BLOCK_T, BLOCK_E,
+                           BLOCK_KS)  # fmt: skip
+        _store_route(w, top_i, used, weights_ptr, ids_ptr, groups_ptr, t, num_groups,
+                     TOP_K, BLOCK_T, BLOCK_E, BLOCK_KS, BLOCK_G)  # fmt: skip
+    g = tl.program_id(0)
+    col = tl.arange(0, BLOCK_E)
+    rank = tl.cumsum(used, axis=0) - 1  # of each chosen expert among the chosen
+    expert = tl.sum(tl.where((used > 0) & (rank == g), col, 0), axis=0)
+    expert = tl.where(tl.sum(used, axis=0) > g, expert, -1)
+    tok = tl.arange(0, BLOCK_T)
+    slot = tl.arange(0, BLOCK_KS)
+    pairs = (tok < t)[:, None] & (slot < TOP_K)[None, :]
+    return expert, tl.where(pairs, top_i, -1)
 
 
 @triton.jit
@@ -148,29 +240,78 @@ def num_groups(tokens: int, top_k: int, experts: int) -> int:
     return max(1, min(experts, tokens * top_k))
 
 
+@dataclass(frozen=True)
+class DeferredRoute:
+    """A step's routing left to the decode path's gate_up launch (triton_moe_decode.py,
+    decode_experts(route=...)) instead of a launch of its own: the router's inputs, and the
+    outputs that launch fills for the down and the combine (launched after it, so stream
+    order makes them visible), the same bits as route_fused's."""
+
+    moe: MoEConfig
+    logits: torch.Tensor  # [T, E], rows contiguous
+    correction_bias: torch.Tensor | None  # [E], DeepSeek-V3's
+    weights: torch.Tensor  # [T, k] float32, written by the gate_up launch
+    ids: torch.Tensor  # [T, k] int64, written by the gate_up launch
+    groups: torch.Tensor  # [G] int32, written by the gate_up launch
+
+
+def route_outputs(
+    moe: MoEConfig, tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (weights [T, k] float32, ids [T, k] int64, groups [G] int32)."""
+    k = moe.top_k
+    weights = torch.empty((tokens, k), dtype=torch.float32, device=device)
+    ids = torch.empty((tokens, k), dtype=torch.int64, device=device)
+    groups = torch.empty(num_groups(tokens, k, moe.num_experts), dtype=torch.int32, device=device)
+    return weights, ids, groups
+
+
+def _check_logits(moe: MoEConfig, logits: torch.Tensor) -> None:
+    e = logits.shape[1]
+    assert logits.stride(1) == 1 and e == moe.num_experts, (logits.shape, moe.num_experts)
+    assert pow2(e) <= 1024, "_pairwise_sum takes rows of up to 1024 experts"
+
+
+def route_deferred(
+    moe: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+) -> DeferredRoute:
+    """The routing of route_fused, launched by no one yet: decode_experts(route=...) does it
+    in its gate_up launch."""
+    _check_logits(moe, logits)
+    weights, ids, groups = route_outputs(moe, logits.shape[0], logits.device)
+    return DeferredRoute(moe, logits, correction_bias, weights, ids, groups)
+
+
+def route_args(route: DeferredRoute) -> tuple[list[object], dict[str, object]]:
+    """(logits, bias, weights, e, num_groups, stride_l, scaling) and the constexprs
+    (ROUTER .. BLOCK_NG, the router's BLOCK_T as ROUTE_T) of a kernel that routes."""
+    moe, logits, bias = route.moe, route.logits, route.correction_bias
+    t, e = logits.shape
+    g = route.groups.numel()
+    args = [
+        logits, bias if bias is not None else route.weights,  # unread when absent
+        route.weights, e, g, logits.stride(0), float(moe.routed_scaling_factor),
+    ]  # fmt: skip
+    consts = dict(
+        ROUTER=ROUTER_IDS[moe.router], NORMALIZE=moe.norm_topk_prob, HAS_BIAS=bias is not None,
+        N_GROUP=moe.n_group, TOPK_GROUP=moe.topk_group, ROUTE_T=pow2(t), BLOCK_E=pow2(e),
+        BLOCK_G=pow2(g), BLOCK_NG=pow2(moe.n_group),
+    )  # fmt: skip
+    return args, consts
+
+
 def route_fused(
     moe: MoEConfig, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """routers.route(moe, logits, correction_bias) plus the step's groups, in one launch."""
-    t, e = logits.shape
-    assert logits.stride(1) == 1 and e == moe.num_experts, (logits.shape, moe.num_experts)
-    dev = logits.device
-    k = moe.top_k
-    weights = torch.empty((t, k), dtype=torch.float32, device=dev)
-    ids = torch.empty((t, k), dtype=torch.int64, device=dev)
-    g = num_groups(t, k, e)
-    groups = torch.empty(g, dtype=torch.int32, device=dev)
-    router = ROUTER_IDS[moe.router]
-    bias = correction_bias if correction_bias is not None else weights  # unread when absent
+    route = route_deferred(moe, logits, correction_bias)
+    (logits, bias, weights, e, g, stride_l, scaling), consts = route_args(route)
+    consts["BLOCK_T"] = consts.pop("ROUTE_T")
     _route_kernel[(1,)](
-        logits, bias, weights, ids, groups, t, e, g, logits.stride(0),
-        float(moe.routed_scaling_factor),
-        ROUTER=router, TOP_K=k, NORMALIZE=moe.norm_topk_prob,
-        HAS_BIAS=correction_bias is not None, N_GROUP=moe.n_group, TOPK_GROUP=moe.topk_group,
-        BLOCK_T=pow2(t), BLOCK_E=pow2(e), BLOCK_KS=pow2(k), BLOCK_G=pow2(g),
-        BLOCK_NG=pow2(moe.n_group), num_warps=4,
+        logits, bias, weights, route.ids, route.groups, logits.shape[0], e, g, stride_l, scaling,
+        TOP_K=moe.top_k, BLOCK_KS=pow2(moe.top_k), **consts, num_warps=4,
     )  # fmt: skip
-    return weights, ids, groups
+    return weights, route.ids, route.groups
 
 
 def expert_groups(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
