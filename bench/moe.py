@@ -27,7 +27,8 @@ widest and win most top-k choices; D(B) is still measured, not assumed.
 
 --experts picks the expert path (model/moe.py): `auto` takes the small-batch decode kernels
 for steps of T·k <= --decode-max-pairs on CUDA and grouped GEMMs above; `decode`,
-`grouped_mm`, `triton`, `loop` pin one. --profile prints each batch's top kernels (3 decode
+`grouped_mm`, `triton`, `loop` pin one; --decode-route where the decode kernels route
+(`gate_up`: inside the gate_up launch, `separate`: a launch of its own). --profile prints each batch's top kernels (3 decode
 steps under torch.profiler, graph replays included):
 
     python3 bench/moe.py --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 \\
@@ -55,6 +56,7 @@ from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.moe import (  # noqa: E402
     DECODE_MAX_PAIRS,
+    DECODE_ROUTES,
     EXPERT_IMPLS,
     SparseMoeBlock,
     expert_impl,
@@ -187,6 +189,14 @@ def main() -> None:
         help="decode path: the add + norm before a sparse block and its router's linear in one "
         "launch (kernels/triton_moe_gate.py) or two",
     )
+    ap.add_argument(
+        "--decode-route",
+        default="auto",
+        choices=tuple(DECODE_ROUTES),
+        help="decode kernels: the routing inside the gate_up launch, in a launch of its own, "
+        "or auto (model/moe.py ROUTE_IN_GATE_UP: Qwen3-MoE / Mixtral up to "
+        "ROUTE_IN_GATE_UP_MAX_TOKENS tokens)",
+    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -205,6 +215,7 @@ def main() -> None:
             m.decode_max_pairs = args.decode_max_pairs
             m.decode_gemv_tokens = args.decode_gemv_tokens
             m.fuse_gate = args.gate == "fused"
+            m.decode_route_in_gate_up = DECODE_ROUTES[args.decode_route]
     if args.routing == "zipf":
         skew_routers_(loaded.model, args.zipf_alpha)
     assert cfg.moe is not None
@@ -234,7 +245,8 @@ def main() -> None:
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
         f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
-        f"per step; experts {impl}, gate {args.gate}, attention {runner.backend.name}, CUDA graphs "
+        f"per step; experts {impl} (decode route {args.decode_route}), gate {args.gate}, "
+        f"attention {runner.backend.name}, CUDA graphs "
         f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )

@@ -9,7 +9,9 @@ forward of each of `--layers` such blocks (distinct weights: no expert stays in 
 CUDA graph, as a decode step replays them, and times replays with CUDA events. Prints µs per
 layer (router included), the distinct experts D(T) a layer read, and the expert bytes read
 over that time (D(T) x one expert's bytes / µs) as GB/s and as a fraction of the measured
-device copy bandwidth. The decode path's tile switch is `--decode-gemv-tokens`.
+device copy bandwidth. The decode path's tile switch is `--decode-gemv-tokens`; `--route
+gate_up separate` times it with the routing inside its gate_up launch and in a launch of
+its own (model/moe.py ROUTE_IN_GATE_UP), a row each.
 
     python3 bench/moe_layer.py --sweep --tokens 1 2 4 8
 
@@ -41,7 +43,7 @@ from ds4pool.model.kernels.triton_moe_configs import (  # noqa: E402
     sweep_schedules,
     sweep_shapes,
 )
-from ds4pool.model.moe import SparseMoeBlock  # noqa: E402
+from ds4pool.model.moe import DECODE_ROUTES, SparseMoeBlock  # noqa: E402
 
 SWEEP_FINALISTS = 3  # shapes of the first round whose warps x stages the second one tries
 
@@ -119,6 +121,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--experts", nargs="+", default=["decode", "grouped_mm", "triton"])
     ap.add_argument("--decode-gemv-tokens", type=int, default=None)
+    ap.add_argument(
+        "--route",
+        nargs="+",
+        default=["auto"],
+        choices=tuple(DECODE_ROUTES),
+        help="decode path: route inside the gate_up launch, in a launch of its own, or auto "
+        "(one row each)",
+    )
     ap.add_argument("--layers", type=int, default=8, help="blocks (1.2 GB each for the preset)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time the decode path's configurations")
@@ -155,22 +165,27 @@ def main() -> None:
                 f"    ({t}, {config}),  # {best_us:.1f} µs vs {default_us:.1f} default", flush=True
             )
         return
-    print("| T | path | µs / layer | experts read | expert GB/s | % of copy bandwidth |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| T | path | route | µs / layer | experts read | expert GB/s | % of copy bandwidth |")
+    print("|---:|---|---|---:|---:|---:|---:|")
     for t in args.tokens:
         x = torch.randn(t, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
         with torch.no_grad():  # mean distinct experts a layer reads at this T
             distinct = sum(int(torch.unique(b.gate(x)[1]).numel()) for b in blocks) / len(blocks)
         for impl in args.experts:
-            for b in blocks:
-                b.impl = impl
-            us = layer_us(blocks, x, args.replays)
-            rate = distinct * expert_bytes / (us * 1e-6)
-            print(
-                f"| {t} | {impl} | {us:.1f} | {distinct:.1f} | {rate / 1e9:.0f} "
-                f"| {100 * rate / bandwidth:.0f}% |",
-                flush=True,
-            )
+            routes = args.route if impl == "decode" else ["-"]  # the others route apart
+            for route in routes:
+                for b in blocks:
+                    b.impl = impl
+                    b.decode_route_in_gate_up = DECODE_ROUTES.get(route)
+                us = layer_us(blocks, x, args.replays)
+                rate = distinct * expert_bytes / (us * 1e-6)
+                if route == "auto":
+                    route = "gate_up" if blocks[0].routes_in_gate_up(t) else "separate"
+                print(
+                    f"| {t} | {impl} | {route} | {us:.1f} | {distinct:.1f} | {rate / 1e9:.0f} "
+                    f"| {100 * rate / bandwidth:.0f}% |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ DECODE_MAX_PAIRS = 512
 # argmax rounds a program) keeps it too; the kernels take it either way (the same code).
 ROUTE_IN_GATE_UP = ("softmax_topk", "topk_softmax")
 ROUTE_IN_GATE_UP_MAX_TOKENS = 8
+# SparseMoeBlock.decode_route_in_gate_up by name (the benchmarks' --route flags)
+DECODE_ROUTES: dict[str, bool | None] = {"auto": None, "gate_up": True, "separate": False}
 
 
 def expert_impl(

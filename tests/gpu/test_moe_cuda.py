@@ -337,3 +337,85 @@ def test_moe_on_the_reference_loop_decodes_eagerly() -> None:
     assert runner.graphs is None
     tokens, _ = decode(runner, [[1, 2, 3, 4, 5]], 4)
     assert len(tokens) == 5
+
+
+ROUTE_SHAPES = [("softmax_topk", 128, 8, True), ("softmax_topk", 128, 8, False),
+                ("topk_softmax", 8, 2, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize(("router", "experts", "k", "norm"), ROUTE_SHAPES)
+def test_routing_in_the_gate_up_equals_the_route_launch_bitwise(
+    router: str, experts: int, k: int, norm: bool, tokens: int, ties: bool
+) -> None:
+    """Compiled (the interpreter cannot show it): the gate_up launch that routes the step
+    stores the route launch's weights, ids and groups bit for bit and gives the same expert
+    output, under the step's table config and under other warps (another layout of the
+    router's tile in the kernel), GEMV and dot tiles, split-K."""
+    needs("decode")
+    from ds4pool.model.config import MoEConfig
+    from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, ProjTiles, config_for
+    from ds4pool.model.kernels.triton_moe_decode import decode_experts
+    from ds4pool.model.kernels.triton_moe_route import route_deferred, route_fused
+
+    moe = MoEConfig(experts, k, 192, router, (0,), norm_topk_prob=norm)
+    gen = torch.Generator().manual_seed(tokens)
+    x, _, _, gate_up, down = moe_inputs(tokens, e=experts, k=k, h=512, i=192)
+    x, gate_up, down = (t.to(CUDA, torch.bfloat16) for t in (x, gate_up, down))
+    logits = torch.randn(tokens, experts, generator=gen)
+    if ties:  # most tokens tie, some across the k-th place
+        logits = torch.randint(-2, 3, (tokens, experts), generator=gen).float()
+    logits = logits.to(CUDA, torch.bfloat16)  # the router linear's output dtype
+    configs = [
+        config_for(tokens),
+        DecodeConfig(ProjTiles(16, None, 1, 2), ProjTiles(32), gemv=tokens <= 2),
+        DecodeConfig(ProjTiles(64, 64, 2, 8, 2), ProjTiles(64, 128, 2, 8)),
+    ]
+    w, ids, groups = route_fused(moe, logits)
+    for config in configs:
+        apart = decode_experts(x, w, ids, groups, gate_up, down, config=config)
+        route = route_deferred(moe, logits)
+        fused = decode_experts(
+            x, route.weights, route.ids, route.groups, gate_up, down, config=config, route=route
+        )
+        assert torch.equal(route.ids, ids), config
+        assert torch.equal(route.weights, w), config
+        assert torch.equal(route.groups, groups), config
+        assert torch.equal(fused, apart), config
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_block_routed_in_the_gate_up_replays_from_a_graph(tokens: int) -> None:
+    """A Qwen3-30B-A3B-shaped layer (128 experts, top-8) on the decode path with the routing
+    in its gate_up launch: equal bitwise to the separately routed block, and a CUDA graph of
+    it replays what an eager forward gives for new inputs (no host sync, the grid fixed by
+    the shapes however many experts the step chose)."""
+    needs("decode")
+    from ds4pool.model.config import MoEConfig
+
+    moe = MoEConfig(128, 8, 192, "softmax_topk", (0,), norm_topk_prob=True)
+    block = SparseMoeBlock(moe, 512).to(CUDA, torch.bfloat16)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.05, generator=gen)
+    block.impl = "decode"
+    x = torch.randn(tokens, 512, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    with torch.no_grad():
+        block.decode_route_in_gate_up = False
+        apart = block(x)
+        block.decode_route_in_gate_up = True
+        assert torch.equal(block(x), apart)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            block(x)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = block(x)
+        for _ in range(3):  # other tokens: other experts, other counts of them
+            x.copy_(torch.randn(x.shape, device=CUDA, dtype=x.dtype, generator=gen))
+            graph.replay()
+            assert torch.equal(out, block(x))
