@@ -28,8 +28,8 @@ widest and win most top-k choices; D(B) is still measured, not assumed.
 --experts picks the expert path (model/moe.py): `auto` takes the small-batch decode kernels
 for steps of T·k <= --decode-max-pairs on CUDA and grouped GEMMs above; `decode`,
 `grouped_mm`, `triton`, `loop` pin one; --decode-route where the decode kernels route
-(`gate_up`: inside the gate_up launch, `separate`: a launch of its own). --profile prints each batch's top kernels (3 decode
-steps under torch.profiler, graph replays included):
+(`gate_up`: inside the gate_up launch, `separate`: a launch of its own). --profile prints
+each batch's top kernels (3 decode steps under torch.profiler, graph replays included):
 
     python3 bench/moe.py --model random:qwen3-30b-a3b --device cuda --dtype bfloat16 \\
         --batch 1 8 16 32 --experts decode --profile
