@@ -208,17 +208,17 @@ def test_tma_boxes_only_where_the_weights_can_be_described() -> None:
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from ds4pool.model.kernels.triton_moe_decode import _weight_boxes
+    from ds4pool.model.kernels.triton_moe_tiles import weight_boxes
 
     w = torch.zeros(3, 40, 64, dtype=torch.float16)
-    boxes = _weight_boxes(w, True, 32, 64)
+    boxes = weight_boxes(w, True, 32, 64)
     assert isinstance(boxes, TensorDescriptor)
     assert list(boxes.shape) == [120, 64] and list(boxes.block_shape) == [32, 64]
-    assert _weight_boxes(w, False, 32, 64) is w  # the config asks for pointer loads
+    assert weight_boxes(w, False, 32, 64) is w  # the config asks for pointer loads
     odd = torch.zeros(3, 40, 12, dtype=torch.float16)  # 24-byte rows: TMA cannot
-    assert _weight_boxes(odd, True, 32, 16) is odd
+    assert weight_boxes(odd, True, 32, 16) is odd
     gaps = w[:, :20]  # experts 40 rows apart: not one [E·N, K] matrix
-    assert _weight_boxes(gaps, True, 16, 64) is gaps
+    assert weight_boxes(gaps, True, 16, 64) is gaps
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ For a decode step of T tokens with k experts each (R = T·k pairs, a few dozen) 
 GEMM path spends most of its time in ~15 small launches and in 16-row tiles that are mostly
 padding. Here a MoE layer is four launches after the router's linear:
 
-    route    logits [T, E] → weights [T, k] f32, ids [T, k] i64, groups [G]   (triton_moe_route)
+    route    logits [T, E] → weights [T, k] f32, ids [T, k] i64, groups [G]   (triton_moe_route;
+             or inside the gate_up launch: every program routes, program (0,0,0) stores)
     gate_up  h[pair] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)   grid (G, I / BLOCK_N, S_gu)
     down     y[pair] = h[pair] @ down[e].T                          grid (G, H / BLOCK_N, S_dn)
     combine  out[t] = Σ_j weights[t, j] · y[t·k + j]  (float32, slot order)   grid (T, H / BLOCK_N)
@@ -28,10 +29,11 @@ does: the down kernel activates the gate_up partials as it loads them (h is not 
 combine adds the down partials. Still three launches, still deterministic.
 
 A config's projection may read its weights by Hopper TMA (`ProjTiles.tma`, USE_TMA): a
-tensor descriptor over the [E·N, K] weight, built per launch on the host (`_weight_boxes`:
-pointer loads where the layout or the GPU cannot take it), whose [BLOCK_N, BLOCK_K] boxes
-the pipeliner fetches num_stages ahead into shared memory. Same products, same order: the
-choice changes how many bytes a program keeps in flight, not the result.
+tensor descriptor over the [E·N, K] weight, built per launch on the host
+(triton_moe_tiles.weight_boxes: pointer loads where the layout or the GPU cannot take it),
+whose [BLOCK_N, BLOCK_K] boxes the pipeliner fetches num_stages ahead into shared memory.
+Same products, same order: the choice changes how many bytes a program keeps in flight, not
+the result.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
@@ -49,6 +50,7 @@ from ds4pool.model.kernels.triton_moe_route import (
     route_args,
     route_in_program,
 )
+from ds4pool.model.kernels.triton_moe_tiles import GEMV_MAX_TOKENS, strips, tile_shape, weight_boxes
 
 
 @triton.jit
@@ -224,52 +226,6 @@ def _down_kernel(
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=keep)
 
 
-# Steps of up to this many tokens multiply by broadcasting (a GEMV per row); above, tl.dot
-# tiles of >= 16 rows (padding rows cost tensor-core time only, which decode has to spare,
-# and Triton pipelines a dot loop's loads, which it does not for the GEMV's). Where the
-# switch should be on a GPU: bench/moe.py --decode-gemv-tokens. On the H200 (bench/moe_layer.py,
-# 2026-12-01) the GEMV read one token's 8 experts in 60.8 µs a layer (30% of the copy
-# bandwidth) while the tiles read two tokens' 15.2 experts in 58.0 µs: tiles from one token.
-GEMV_MAX_TOKENS = 0
-
-
-def _tiles(
-    tokens: int, block_n: int, itemsize: int, gemv_max_tokens: int, block_k: int | None = None
-) -> tuple[int, int, int, bool]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, tl.dot?) for a projection over `tokens` rows: GEMV tiles
-    of ~4K products (wide K strips for one row, narrower as rows grow), else dot tiles;
-    `block_k` (a config's) replaces the rule's K strip."""
-    block_t = pow2(tokens)
-    if tokens > gemv_max_tokens:
-        block_t = max(16, block_t)
-        rule = 128 if itemsize <= 2 and block_t <= 32 else 64
-        return block_t, block_n, block_k or rule, True
-    return block_t, block_n, block_k or max(16, min(256, 4096 // (block_t * block_n))), False
-
-
-def _weight_boxes(w: torch.Tensor, tma: bool, block_n: int, block_k: int) -> object:
-    """A tensor descriptor of the [E, N, K] weights seen as [E·N, K] in [block_n, block_k]
-    boxes (Hopper TMA loads, zero-filled past K), or `w` itself (pointer loads) where the
-    config asks for none, the GPU has no TMA (before sm_90) or the layout cannot be
-    described: TMA wants 16-byte aligned rows and a base, and boxes of at least 16 bytes.
-    (On the CPU, the interpreter emulates the descriptor's loads.)"""
-    e, n, k = w.shape
-    size = w.element_size()
-    if not tma or w.stride(0) != n * w.stride(1) or w.stride(2) != 1:
-        return w
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return w
-    if (w.stride(1) * size) % 16 or w.data_ptr() % 16 or block_k * size < 16:
-        return w
-    return TensorDescriptor(w, (e * n, k), (w.stride(1), 1), (block_n, block_k))
-
-
-def _strips(size: int, split: int, block_k: int) -> tuple[int, int]:
-    """(splits that have work, each one's strip of the reduction in whole BLOCK_Ks)."""
-    chunk = triton.cdiv(triton.cdiv(size, split), block_k) * block_k
-    return triton.cdiv(size, chunk), chunk
-
-
 def _no_route(unread: torch.Tensor) -> tuple[list[object], dict[str, object]]:
     """route_args' place in a gate_up launch that does not route (the groups are given)."""
     consts = dict(ROUTER=0, NORMALIZE=False, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1,
@@ -317,15 +273,15 @@ def decode_experts(
     gemv_max_tokens = GEMV_MAX_TOKENS if gemv_max_tokens is None else gemv_max_tokens
     if cfg.gemv is not None:  # the table's row decides GEMV vs dot tiles for its step sizes
         gemv_max_tokens = t if cfg.gemv else 0
-    bt, bn, bk, dot = _tiles(t, gu.block_n, x.element_size(), gemv_max_tokens, gu.block_k)
-    gu_split, gu_chunk = _strips(hidden, gu.split_k, bk)
+    bt, bn, bk, dot = tile_shape(t, gu.block_n, x.element_size(), gemv_max_tokens, gu.block_k)
+    gu_split, gu_chunk = strips(hidden, gu.split_k, bk)
     if gu_split > 1:  # [S, R, 2I] float32 partials; h is not made
         part = torch.empty((gu_split, t * k, two_i), dtype=torch.float32, device=x.device)
         h = part  # unread
     else:
         h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
         part = h  # unread
-    gu_w = _weight_boxes(gate_up, gu.tma, bn, bk)
+    gu_w = weight_boxes(gate_up, gu.tma, bn, bk)
     r_args, r_consts = route_args(route) if route is not None else _no_route(ids)
     _gate_up_kernel[(g, triton.cdiv(inter, bn), gu_split)](
         x, gate_up, gu_w, ids, groups, h, part, t, hidden, inter, gu_chunk,
@@ -335,15 +291,15 @@ def decode_experts(
         PRECISION=precision, SPLIT=gu_split, USE_TMA=gu_w is not gate_up,
         ROUTE=route is not None, **r_consts, num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
-    bt, bn, bk, dot = _tiles(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
-    dn_split, dn_chunk = _strips(inter, dn.split_k, bk)
+    bt, bn, bk, dot = tile_shape(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
+    dn_split, dn_chunk = strips(inter, dn.split_k, bk)
     if dn_split > 1:
         ypart = torch.empty((dn_split, t * k, hidden), dtype=torch.float32, device=x.device)
         y = ypart  # unread
     else:
         y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
         ypart = y  # unread
-    dn_w = _weight_boxes(down, dn.tma, bn, bk)
+    dn_w = weight_boxes(down, dn.tma, bn, bk)
     _down_kernel[(g, triton.cdiv(hidden, bn), dn_split)](
         h, part, down, dn_w, ids, groups, y, ypart, t, hidden, inter, dn_chunk,
         h.stride(0), part.stride(0), part.stride(1) if gu_split > 1 else 0,
