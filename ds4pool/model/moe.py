@@ -109,12 +109,14 @@ DECODE_MAX_PAIRS = 512
 # routing from the [T, E] logits, one stores it: triton_moe_route.DeferredRoute) instead of
 # in a route launch of its own: a launch and a dependent gap fewer a layer (the route
 # launch was 4.5 µs of 48 sparse layers' 3.88 ms batch-1 step on the H200), for routing
-# work in every gate_up program before its first weight load, which grows with T·E·k:
-# token counts past ROUTE_IN_GATE_UP_MAX_TOKENS keep the launch until the H200 says
-# otherwise (bench/moe_layer.py --route). DeepSeek-V3's group-limited router (N_GROUP more
-# argmax rounds a program) keeps it too; the kernels take it either way (the same code).
+# work in every gate_up program before its first weight load, which grows with T·E·k, and
+# registers: compiled for sm_90 at the table's configs, the 1-, 2- and 4-token gate_up keep
+# their main loop's spills (none, none, as many), the 8-token one (2 warps) spills in it
+# where it did not. Larger steps keep the launch until the H200 says otherwise
+# (bench/moe_layer.py --route). DeepSeek-V3's group-limited router (N_GROUP more argmax
+# rounds a program) keeps it too; the kernels take it either way (the same code).
 ROUTE_IN_GATE_UP = ("softmax_topk", "topk_softmax")
-ROUTE_IN_GATE_UP_MAX_TOKENS = 8
+ROUTE_IN_GATE_UP_MAX_TOKENS = 4
 # SparseMoeBlock.decode_route_in_gate_up by name (the benchmarks' --route flags)
 DECODE_ROUTES: dict[str, bool | None] = {"auto": None, "gate_up": True, "separate": False}
 

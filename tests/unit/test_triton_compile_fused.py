@@ -96,6 +96,25 @@ def test_moe_gate_up_compiles(split: int, dot: bool, route: int | None) -> None:
     compile_sm90(moe_decode._gate_up_kernel, consts, 4, 4, frozenset(f32))
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_routing_in_the_gate_up_does_not_make_it_spill(tokens: int) -> None:
+    """The step sizes that route in the gate_up by default (model/moe.py ROUTE_IN_GATE_UP),
+    at their table configs: the router's tile adds no register spills (where triton ships
+    cuobjdump), as the unrouted kernel has none."""
+    from ds4pool.model.kernels.triton_moe_configs import config_for
+
+    gu = config_for(tokens).gate_up
+    consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+                  USE_DOT=True, PRECISION="tf32", SPLIT=gu.split_k,
+                  **gate_up_route(tokens))  # fmt: skip
+    f32 = frozenset({"bias_ptr"} | ({"h_ptr"} if gu.split_k > 1 else set()))
+    kernel = compile_sm90(moe_decode._gate_up_kernel, consts, gu.num_warps, gu.num_stages, f32)
+    usage = triton_compile.resource_usage(kernel.asm["cubin"])
+    if usage is None:
+        pytest.skip("no cuobjdump to read the kernel's resource usage")
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+
+
 @pytest.mark.parametrize("gu_split, split", [(1, 1), (2, 1), (1, 4), (4, 2)])
 def test_moe_down_compiles(gu_split: int, split: int) -> None:
     consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=64, USE_DOT=True,
