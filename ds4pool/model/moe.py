@@ -307,7 +307,8 @@ class SparseMoeBlock(nn.Module):
         """The layer's MLP half, (residual'', next_norm(residual'')), in four launches where
         add_norm applies and the router is a softmax one: the add, this block's input norm and
         the router's linear in one (kernels/triton_moe_gate.py), then route, experts and
-        the combine with the next add + norm. None elsewhere: the caller runs the add + norm
+        the combine with the next add + norm; three where the gate_up launch routes
+        (routes_in_gate_up). None elsewhere: the caller runs the add + norm
         and add_norm."""
         if not self.fuse_gate or self.gate.moe.router == "sigmoid_group_topk":
             return None  # DeepSeek-V3's scores are float32 logits of float32 inputs
