@@ -21,6 +21,7 @@ prologue = pytest.importorskip("ds4pool.model.kernels.triton_prologue")
 moe_decode = pytest.importorskip("ds4pool.model.kernels.triton_moe_decode")
 moe_combine = pytest.importorskip("ds4pool.model.kernels.triton_moe_combine")
 moe_gate = pytest.importorskip("ds4pool.model.kernels.triton_moe_gate")
+moe_route = pytest.importorskip("ds4pool.model.kernels.triton_moe_route")
 
 pytest.importorskip("triton.backends.compiler")  # the NVIDIA backend, to compile for sm_90
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
@@ -94,6 +95,29 @@ def test_moe_gate_up_compiles(split: int, dot: bool, route: int | None) -> None:
     if route is not None:  # the logits of a bf16 model's router
         f32.add("bias_ptr")
     compile_sm90(moe_decode._gate_up_kernel, consts, 4, 4, frozenset(f32))
+
+
+# router → (ROUTER, experts, top-k, groups, groups kept): Qwen3-30B-A3B, Mixtral, DeepSeek-V3
+ROUTERS = {"qwen3": (0, 128, 8, 1, 1), "mixtral": (1, 8, 2, 1, 1), "deepseek": (2, 256, 8, 8, 4)}
+
+
+def router_consts(name: str, tokens: int) -> dict:
+    router, e, k, n_group, topk_group = ROUTERS[name]
+    return dict(ROUTER=router, TOP_K=k, NORMALIZE=router != 1, HAS_BIAS=router == 2,
+                N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_E=e, BLOCK_KS=k,
+                BLOCK_G=min(e, k * tokens), BLOCK_NG=n_group)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_route_kernel_compiles(name: str) -> None:
+    """The route launch, its sums by _pairwise_sum (reshape + split) and DeepSeek's group
+    limit, compiled as route_fused launches it; and the same routing inside a gate_up."""
+    f32 = frozenset({"logits_ptr", "bias_ptr"})
+    consts = dict(router_consts(name, 8), BLOCK_T=8)
+    compile_sm90(moe_route._route_kernel, consts, 4, 3, f32)
+    consts = dict(router_consts(name, 2), ROUTE=True, ROUTE_T=2, BLOCK_T=16, BLOCK_N=32,
+                  BLOCK_K=128, USE_DOT=True, PRECISION="tf32", SPLIT=1)  # fmt: skip
+    compile_sm90(moe_decode._gate_up_kernel, consts, 4, 3, f32)
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
