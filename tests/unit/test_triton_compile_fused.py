@@ -184,15 +184,3 @@ def test_moe_down_compiles_with_tma(gu_split: int, split: int, warps: int) -> No
     f32 = ({"h_ptr"} if gu_split > 1 else set()) | ({"y_ptr"} if split > 1 else set())
     kernel = compile_sm90(moe_decode._down_kernel, consts, warps, 4, frozenset(f32), (64, 128))
     tma_without_spills(kernel)
-
-
-def test_moe_expert_kernels_compile_as_pdl_launches() -> None:
-    """USE_GDC (kernels/_pdl.py): the gate_up and the down wait for the launch before them."""
-    consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=128, USE_DOT=True,
-                  PRECISION="tf32", SPLIT=1, USE_GDC=True)  # fmt: skip
-    gate_up = compile_sm90(moe_decode._gate_up_kernel, consts, 4, 4)
-    assert "griddepcontrol.wait" in gate_up.asm["ptx"]
-    consts = dict(TOP_K=8, BLOCK_T=16, BLOCK_KS=8, BLOCK_N=32, BLOCK_K=64, USE_DOT=True,
-                  PRECISION="tf32", GU_SPLIT=1, SPLIT=1, USE_GDC=True)  # fmt: skip
-    down = compile_sm90(moe_decode._down_kernel, consts, 8, 2)
-    assert "griddepcontrol.wait" in down.asm["ptx"]

@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4pool.model.kernels._pdl import enabled as pdl_enabled
 from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
 from ds4pool.model.kernels.triton_moe_route import (
@@ -111,11 +110,7 @@ def _gate_up_kernel(
     ROUTE: tl.constexpr, ROUTER: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROUTE_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_NG: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # a PDL launch (kernels/_pdl.py): the logits / ids come from the launch before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     if ROUTE:  # the step's routing from its logits, here instead of in a launch of its own
         expert, ids = route_in_program(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups,
@@ -186,11 +181,8 @@ def _down_kernel(
     stride_h, stride_ps, stride_pr, stride_we, stride_wn, stride_y, stride_ys, stride_yr,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    GU_SPLIT: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr, USE_GDC: tl.constexpr,
+    GU_SPLIT: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # a PDL launch: h, ids and groups come from the gate_up
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     expert = tl.load(groups_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -291,15 +283,13 @@ def decode_experts(
         part = h  # unread
     gu_w = weight_boxes(gate_up, gu.tma, bn, bk)
     r_args, r_consts = route_args(route) if route is not None else _no_route(ids)
-    pdl = pdl_enabled(x.device)
     _gate_up_kernel[(g, triton.cdiv(inter, bn), gu_split)](
         x, gate_up, gu_w, ids, groups, h, part, t, hidden, inter, gu_chunk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         part.stride(0), part.stride(1) if gu_split > 1 else 0, *r_args,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, SPLIT=gu_split, USE_TMA=gu_w is not gate_up,
-        ROUTE=route is not None, **r_consts, USE_GDC=pdl, num_warps=gu.num_warps,
-        num_stages=gu.num_stages, launch_pdl=pdl,
+        ROUTE=route is not None, **r_consts, num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
     bt, bn, bk, dot = tile_shape(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
     dn_split, dn_chunk = strips(inter, dn.split_k, bk)
@@ -317,6 +307,7 @@ def decode_experts(
         ypart.stride(0), ypart.stride(1) if dn_split > 1 else 0,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, GU_SPLIT=gu_split, SPLIT=dn_split, USE_TMA=dn_w is not down,
-        USE_GDC=pdl, num_warps=dn.num_warps, num_stages=dn.num_stages, launch_pdl=pdl,
+        num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
     )  # fmt: skip
     return combine(ypart if dn_split > 1 else y, weights, x.dtype, residual, norm_weight, eps)

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from ds4pool.model.config import MoEConfig
-from ds4pool.model.kernels._pdl import enabled as pdl_enabled
 
 ROUTER_IDS = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_group_topk": 2}
 
@@ -172,11 +171,8 @@ def _route_kernel(
     ROUTER: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_NG: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_NG: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # a PDL launch (kernels/_pdl.py): the logits come from the launch before
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     x, top_w, top_i, used = _route_choice(
         logits_ptr, bias_ptr, t, e, stride_l, ROUTER, TOP_K, HAS_BIAS, N_GROUP, TOPK_GROUP,
         BLOCK_T, BLOCK_E, BLOCK_KS, BLOCK_NG,
@@ -311,11 +307,9 @@ def route_fused(
     route = route_deferred(moe, logits, correction_bias)
     (logits, bias, weights, e, g, stride_l, scaling), consts = route_args(route)
     consts["BLOCK_T"] = consts.pop("ROUTE_T")
-    pdl = pdl_enabled(logits.device)
     _route_kernel[(1,)](
         logits, bias, weights, route.ids, route.groups, logits.shape[0], e, g, stride_l, scaling,
-        TOP_K=moe.top_k, BLOCK_KS=pow2(moe.top_k), **consts, USE_GDC=pdl, num_warps=4,
-        launch_pdl=pdl,
+        TOP_K=moe.top_k, BLOCK_KS=pow2(moe.top_k), **consts, num_warps=4,
     )  # fmt: skip
     return weights, route.ids, route.groups
 
