@@ -61,21 +61,6 @@ def test_decode_reduce_compiles(fixed_p: bool) -> None:
     compile_sm90(dk.decode_reduce_kernel, consts, 4, 2)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_decode_compiles_as_a_pdl_launch(split: bool) -> None:
-    """With USE_GDC the decode kernel (and its reduce) wait for the prologue's writes before
-    they read q or the cache, and let their own dependents be placed (kernels/_pdl.py)."""
-    launch = ta.DEFAULT_DECODE
-    consts = dict(H=32, G=4, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
-                  SHORT=ta.SHORT_CONTEXT, FIXED_P=False, SPLIT=split, USE_WINDOW=False,
-                  PRECISION="tf32", USE_GDC=True)  # fmt: skip
-    ptx = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages).asm["ptx"]
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    consts = dict(H=32, D=128, D_PAD=128, SHORT=ta.SHORT_CONTEXT, BLOCK_N=64, FIXED_P=False,
-                  P_CHUNK=16, USE_WINDOW=False, DIRECT=True, USE_GDC=True)  # fmt: skip
-    assert "griddepcontrol.wait" in compile_sm90(dk.decode_reduce_kernel, consts, 4, 2).asm["ptx"]
-
-
 @pytest.mark.parametrize("window, split", [(False, False), (True, False), (False, True)])
 def test_prefill_compiles_pipelined(window: bool, split: bool) -> None:
     launch = ta.DEFAULT_PREFILL

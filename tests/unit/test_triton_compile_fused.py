@@ -63,12 +63,9 @@ def tma_without_spills(kernel: object) -> None:
 
 
 @pytest.mark.parametrize("norm, block_kv", [(True, 4), (False, 8)])  # Qwen3-30B-A3B, Llama-3-8B
-@pytest.mark.parametrize("trigger", [False, True])
-def test_prologue_compiles(norm: bool, block_kv: int, trigger: bool) -> None:
-    consts = dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=block_kv, HAS_NORM=norm,
-                  TRIGGER=trigger)  # fmt: skip
-    kernel = compile_sm90(prologue._prologue_kernel, consts)
-    assert ("griddepcontrol.launch_dependents" in kernel.asm["ptx"]) == trigger
+def test_prologue_compiles(norm: bool, block_kv: int) -> None:
+    consts = dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=block_kv, HAS_NORM=norm)
+    compile_sm90(prologue._prologue_kernel, consts)
 
 
 # a gate_up launch's routing constexprs: none (the groups are given), or the Qwen3-30B-A3B
@@ -147,19 +144,10 @@ def test_moe_down_compiles(gu_split: int, split: int) -> None:
     compile_sm90(moe_decode._down_kernel, consts, 8, 2, frozenset(f32))
 
 
-@pytest.mark.parametrize("norm, split, gdc", [(False, 1, False), (True, 1, True), (True, 2, True)])
-def test_moe_combine_compiles(norm: bool, split: int, gdc: bool) -> None:
-    consts = dict(TOP_K=8, BLOCK_N=2048 if norm else 256, SPLIT=split, NORM=norm, USE_GDC=gdc)
-    f32 = frozenset({"y_ptr"} if split > 1 else ())
-    kernel = compile_sm90(moe_combine._combine_kernel, consts, f32=f32)
-    assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == gdc  # a PDL launch waits first
-
-
-@pytest.mark.parametrize("trigger", [False, True])
-def test_moe_gate_compiles(trigger: bool) -> None:
-    consts = dict(BLOCK_H=2048, BLOCK_E=8, TRIGGER=trigger)
-    kernel = compile_sm90(moe_gate._norm_logits_kernel, consts, 4, 1)
-    assert ("griddepcontrol.launch_dependents" in kernel.asm["ptx"]) == trigger
+@pytest.mark.parametrize("norm, split", [(False, 1), (True, 1), (True, 2)])
+def test_moe_combine_compiles(norm: bool, split: int) -> None:
+    consts = dict(TOP_K=8, BLOCK_N=2048 if norm else 256, SPLIT=split, NORM=norm)
+    compile_sm90(moe_combine._combine_kernel, consts, f32=frozenset({"y_ptr"} if split > 1 else ()))
 
 
 # TMA weight boxes (ProjTiles.tma) at the H200's one-token configs (triton_moe_configs
@@ -184,3 +172,12 @@ def test_moe_down_compiles_with_tma(gu_split: int, split: int, warps: int) -> No
     f32 = ({"h_ptr"} if gu_split > 1 else set()) | ({"y_ptr"} if split > 1 else set())
     kernel = compile_sm90(moe_decode._down_kernel, consts, warps, 4, frozenset(f32), (64, 128))
     tma_without_spills(kernel)
+
+
+def test_moe_gate_compiles_without_spills() -> None:
+    """The add + norm + router launch at Qwen3-30B-A3B's shape (2048 wide, 8 experts a
+    program, 4 warps: triton_moe_gate's one launch for every T)."""
+    kernel = compile_sm90(moe_gate._norm_logits_kernel, dict(BLOCK_H=2048, BLOCK_E=8), 4, 1)
+    usage = triton_compile.resource_usage(kernel.asm["cubin"])
+    if usage is not None:
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"

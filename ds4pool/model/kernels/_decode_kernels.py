@@ -48,14 +48,11 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr = False,  # a PDL launch (kernels/_pdl.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    ctx = tl.load(lens_ptr + b)  # a step input: staged before the chain
+    ctx = tl.load(lens_ptr + b)
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -78,8 +75,6 @@ def decode_kernel(
     d_mask = d < D
     heads = kv_head * G + g  # [G_PAD]
     row_mask = (g < G)[:, None] & d_mask[None, :]  # [G_PAD, D_PAD]
-    if USE_GDC:  # q and this step's k, v come from the prologue
-        tl.extra.cuda.gdc_wait()
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0
     )  # [G_PAD, D_PAD]
@@ -141,13 +136,10 @@ def decode_reduce_kernel(
     P_CHUNK: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DIRECT: tl.constexpr,  # decode_kernel writes one-piece rows itself (the MLA kernel does not)
-    USE_GDC: tl.constexpr = False,  # a PDL launch (kernels/_pdl.py)
 ):
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(lens_ptr + b)  # a step input
+    ctx = tl.load(lens_ptr + b)
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -159,8 +151,6 @@ def decode_reduce_kernel(
         if one_piece:  # decode_kernel wrote this row's output itself
             return
     row = (b * H + h) * num_parts
-    if USE_GDC:  # the partials come from decode_kernel
-        tl.extra.cuda.gdc_wait()
     # num_parts is a runtime value (no recompile per context bucket): walk it in chunks,
     # first for the max lse, then for the weighted sum of the [P_CHUNK, D] partials
     top_c = tl.full([P_CHUNK], float("-inf"), tl.float32)

@@ -66,7 +66,6 @@ import torch
 import triton
 
 from ds4pool.model.kernels._decode_kernels import decode_kernel, decode_reduce_kernel
-from ds4pool.model.kernels._pdl import enabled as pdl_enabled
 from ds4pool.model.kernels._prefill_kernels import prefill_kernel, prefill_reduce_kernel
 
 _LOG2E = 1.4426950408889634
@@ -232,7 +231,6 @@ def paged_decode(
     part_lse = workspace.partial_lse if workspace is not None else out
     window = sliding_window or 0
     d_pad = triton.next_power_of_2(d)
-    pdl = pdl_enabled(q.device)
     decode_kernel[(batch, h_kv, num_parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * _LOG2E, window,
@@ -244,8 +242,8 @@ def paged_decode(
         H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
         BLOCK_N=launch.block_n, SHORT=short, FIXED_P=fixed_p,
         SPLIT=num_parts > 1,
-        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype), USE_GDC=pdl,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=pdl,
+        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_parts == 1:
         return
@@ -254,7 +252,7 @@ def paged_decode(
         partition_size, short_len or partition_size,
         H=n_heads, D=d, D_PAD=d_pad, SHORT=short, BLOCK_N=launch.block_n,
         FIXED_P=fixed_p, P_CHUNK=16,
-        USE_WINDOW=window > 0, DIRECT=True, USE_GDC=pdl, num_warps=4, launch_pdl=pdl,
+        USE_WINDOW=window > 0, DIRECT=True, num_warps=4,
     )  # fmt: skip
 
 

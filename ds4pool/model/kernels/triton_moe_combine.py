@@ -15,18 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4pool.model.kernels._pdl import enabled as pdl_enabled
-
 
 @triton.jit
 def _combine_kernel(
     y_ptr, ypart_ptr, weights_ptr, out_ptr, res_ptr, norm_ptr, hidden, eps,
     stride_y, stride_ys, stride_yr, stride_o, stride_r,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # a PDL launch after the down kernel (kernels/_pdl.py): wait for its rows
-        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < hidden
@@ -82,10 +77,9 @@ def combine(
     nw = norm_weight if norm_weight is not None else weights
     block = triton.next_power_of_2(hidden) if norm else 256
     ys, yr = (y.stride(0), y.stride(1)) if split > 1 else (0, 0)
-    pdl = pdl_enabled(y.device)
     _combine_kernel[(t, triton.cdiv(hidden, block))](
         y, y, weights, out, res, nw, hidden, eps, y.stride(-2), ys, yr, out.stride(0),
-        res.stride(0), TOP_K=k, BLOCK_N=block, SPLIT=split, NORM=norm, USE_GDC=pdl,
-        num_warps=(4 if block <= 2048 else 8) if norm else 4, launch_pdl=pdl,
+        res.stride(0), TOP_K=k, BLOCK_N=block, SPLIT=split, NORM=norm,
+        num_warps=(4 if block <= 2048 else 8) if norm else 4,
     )  # fmt: skip
     return out

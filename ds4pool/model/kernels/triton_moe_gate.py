@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4pool.model.kernels._pdl import enabled as pdl_enabled
-
 # Experts a program dots, and its warps: ONE launch for every T, because they set how a row's
 # logits are summed (the tile's layout), and a row must get the same bits alone or in a batch.
 # From `python3 bench/moe_gate.py --tokens 1 8 64` on the H200 (2026-12-02, µs a layer for
@@ -42,10 +40,8 @@ NUM_WARPS = 4
 def _norm_logits_kernel(
     a_ptr, res_ptr, nw_ptr, rw_ptr, res_out_ptr, h_ptr, logits_ptr, n, e, eps,
     stride_a, stride_r, stride_ro, stride_h, stride_w, stride_l,
-    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, TRIGGER: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    if TRIGGER:  # the route after it may be placed now (kernels/_pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -100,6 +96,6 @@ def add_norm_logits(
         a, residual, norm_weight, router_weight, res_out, h, logits, n, e, eps,
         a.stride(0), residual.stride(0), res_out.stride(0), h.stride(0),
         router_weight.stride(0), logits.stride(0),
-        BLOCK_H=block_h, BLOCK_E=block_e, TRIGGER=pdl_enabled(a.device), num_warps=num_warps,
+        BLOCK_H=block_h, BLOCK_E=block_e, num_warps=num_warps,
     )  # fmt: skip
     return res_out, h, logits

@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4pool.model.kernels._pdl import enabled as pdl_enabled
-
 
 @triton.jit
 def _norm_rope(
@@ -88,10 +86,8 @@ def _prologue_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     num_heads, num_kv_heads, half_cache, eps, factor,
     D: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr, TRIGGER: tl.constexpr,
+    BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    if TRIGGER:  # the paged decode after it may be placed now (kernels/_pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     j = tl.program_id(1)
     q_blocks = tl.cdiv(num_heads, BLOCK_Q)
@@ -145,5 +141,5 @@ def norm_rope_store(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         h, h_kv, cache[0].numel(), eps, attention_factor,
         D=d, HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_Q=block_q,
-        BLOCK_KV=block_kv, HAS_NORM=has_norm, TRIGGER=pdl_enabled(q.device), num_warps=4,
+        BLOCK_KV=block_kv, HAS_NORM=has_norm, num_warps=4,
     )  # fmt: skip
