@@ -117,6 +117,11 @@ DECODE_MAX_PAIRS = 512
 # rounds a program) keeps it too; the kernels take it either way (the same code).
 ROUTE_IN_GATE_UP = ("softmax_topk", "topk_softmax")
 ROUTE_IN_GATE_UP_MAX_TOKENS = 4
+# The most tokens the routing gate_up may take even when asked to (decode_route_in_gate_up =
+# True): on the H200 (session 22) it stored the route launch's bits at 1, 2, 5 and 16 tokens,
+# and not at 64 (Qwen3-MoE's router with norm_topk_prob; cause not found), so larger steps
+# keep the route launch whatever the setting.
+ROUTE_IN_GATE_UP_VERIFIED_TOKENS = 16
 # SparseMoeBlock.decode_route_in_gate_up by name (the benchmarks' --route flags)
 DECODE_ROUTES: dict[str, bool | None] = {"auto": None, "gate_up": True, "separate": False}
 
@@ -352,6 +357,8 @@ class SparseMoeBlock(nn.Module):
 
     def routes_in_gate_up(self, tokens: int) -> bool:
         """Whether a decode step of `tokens` routes inside the gate_up launch."""
+        if tokens > ROUTE_IN_GATE_UP_VERIFIED_TOKENS:
+            return False
         if self.decode_route_in_gate_up is not None:
             return self.decode_route_in_gate_up
         fits = tokens <= ROUTE_IN_GATE_UP_MAX_TOKENS

@@ -344,7 +344,7 @@ ROUTE_SHAPES = [("softmax_topk", 128, 8, True), ("softmax_topk", 128, 8, False),
 
 
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("tokens", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16])  # past ROUTE_IN_GATE_UP_VERIFIED_TOKENS: a launch
 @pytest.mark.parametrize(("router", "experts", "k", "norm"), ROUTE_SHAPES)
 def test_routing_in_the_gate_up_equals_the_route_launch_bitwise(
     router: str, experts: int, k: int, norm: bool, tokens: int, ties: bool

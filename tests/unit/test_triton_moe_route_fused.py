@@ -168,9 +168,14 @@ def test_sparse_block_routed_in_the_gate_up_equals_the_separate_route(
 
 def test_which_steps_route_in_the_gate_up() -> None:
     """Qwen3-MoE and Mixtral at up to ROUTE_IN_GATE_UP_MAX_TOKENS tokens, DeepSeek-V3 only
-    when asked; the block attribute overrides both ways."""
+    when asked; the block attribute overrides both ways, but never past the tokens the H200
+    verified (ROUTE_IN_GATE_UP_VERIFIED_TOKENS)."""
     from ds4pool.model.config import MoEConfig
-    from ds4pool.model.moe import ROUTE_IN_GATE_UP_MAX_TOKENS, SparseMoeBlock
+    from ds4pool.model.moe import (
+        ROUTE_IN_GATE_UP_MAX_TOKENS,
+        ROUTE_IN_GATE_UP_VERIFIED_TOKENS,
+        SparseMoeBlock,
+    )
 
     most = ROUTE_IN_GATE_UP_MAX_TOKENS
     qwen = SparseMoeBlock(MoEConfig(8, 2, 16, "softmax_topk", (0,)), 32)
@@ -181,7 +186,9 @@ def test_which_steps_route_in_the_gate_up() -> None:
     assert not deepseek.routes_in_gate_up(1)
     deepseek.decode_route_in_gate_up = True
     qwen.decode_route_in_gate_up = False
-    assert deepseek.routes_in_gate_up(64) and not qwen.routes_in_gate_up(1)
+    verified = ROUTE_IN_GATE_UP_VERIFIED_TOKENS
+    assert deepseek.routes_in_gate_up(verified) and not qwen.routes_in_gate_up(1)
+    assert not deepseek.routes_in_gate_up(verified + 1)  # a route launch, whatever asked
 
 
 if __name__ == "__main__":
