@@ -50,7 +50,7 @@ def engine_cfg(argv: list[str]) -> EngineConfig:
 
 
 def test_flag_parses_and_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert engine_cfg([]).cpu_linear == "torch"  # opt-in: RSS grows per row count
+    assert engine_cfg([]).cpu_linear == "auto"  # row buckets bound oneDNN's primitives
     assert engine_cfg(["--cpu-linear", "torch"]).cpu_linear == "torch"
     monkeypatch.setenv("DS4POOL_CPU_LINEAR", "onednn")
     assert engine_cfg([]).cpu_linear == "onednn"
