@@ -17,7 +17,7 @@ Row buckets: oneDNN caches one primitive per distinct input shape (~0.57 MiB eac
 the weight's size, up to 1,024 of them), so a server whose steps take every row count from 1
 to a few hundred would grow by hundreds of MiB. `PackedLinear` pads the rows up to one of
 `ROW_BUCKETS` (28 sizes) and runs longer inputs as `ROW_CAP`-row slabs: at most 28
-primitives per weight shape, ~16 MiB. Rows are independent in oneDNN's kernel (a row's bits
+primitives per weight shape (~16 MiB). Rows are independent in oneDNN's kernel (a row's bits
 do not depend on the row count: tests/unit/test_cpu_linear.py), so padding changes no value.
 """
 
@@ -39,11 +39,11 @@ DENSE_READERS = ("kv_b_proj",)
 # packing serves every batch size (measured: prompt chunks of 256 rows gain as well).
 BATCH_HINT = 16
 
-# Row counts run exactly up to EXACT_ROWS (decode batches; there a GEMM is bound by reading
-# the weight, so a padded row is not free but a bucket per size is cheap), then rounded up to
-# STEPS_PER_OCTAVE sizes per doubling (10, 12, 14, 16, 20, ..., 224, 256): a row costs about
-# the same from M=8 on, so padding wastes at most 25% of a GEMM (measured, docs/BENCHMARKS.md).
-# Past ROW_CAP the per-row time is flat, so longer inputs run as ROW_CAP-row slabs.
+# Row counts up to EXACT_ROWS (small decode batches) run as they are; larger ones are rounded
+# up to STEPS_PER_OCTAVE sizes per doubling (10, 12, 14, 16, 20, ..., 224, 256). From ~8 rows
+# on a GEMM's time grows with its rows, so a padded call costs its bucket's GEMM: at most ~24%
+# more rows (measured, docs/BENCHMARKS.md). Past ROW_CAP the time per row is flat, so longer
+# inputs run as ROW_CAP-row slabs.
 EXACT_ROWS = 8
 STEPS_PER_OCTAVE = 4
 ROW_CAP = 256
@@ -54,7 +54,7 @@ def row_bucket(rows: int) -> int:
     assert 1 <= rows <= ROW_CAP, rows
     if rows <= EXACT_ROWS:
         return rows
-    step = (1 << (rows - 1).bit_length()) // (2 * STEPS_PER_OCTAVE)  # octave (2^k, 2^k+1]
+    step = (1 << (rows - 1).bit_length()) // (2 * STEPS_PER_OCTAVE)  # rows in (2^k, 2^(k+1)]
     return -(-rows // step) * step
 
 
