@@ -183,8 +183,8 @@ def main() -> None:
     ap.add_argument(
         "--cpu-linear",
         choices=["auto", "onednn", "torch"],
-        default="torch",
-        help="CPU: projections through oneDNN prepacked weights (as serve; default torch)",
+        default="auto",
+        help="CPU: projections through oneDNN prepacked weights (as serve; default auto)",
     )
     args = ap.parse_args()
     if not set(args.blas) <= {"auto", "default"} and not torch.cuda.is_available():

@@ -95,11 +95,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton
     blas: str = "auto"  # CUDA: torch's preferred BLAS library (model/device.py)
     # CPU: the projections through oneDNN prepacked weights (model/cpu_linear.py): auto is
-    # onednn where it works (CPU, float32), torch is F.linear. Opt-in: oneDNN keeps a
-    # primitive per distinct row count (~0.6 MiB each for a 768 x 4096 weight, up to its
-    # 1,024-entry cache), so a server seeing many chunk sizes grows by hundreds of MiB
-    # (tests/reliability/test_load.py: RSS peak 613 MiB against 543 allowed)
-    cpu_linear: str = "torch"
+    # onednn where it works (CPU, float32), torch is F.linear. oneDNN keeps a primitive per
+    # distinct row count; PackedLinear's row buckets bound them to 28 per weight shape
+    cpu_linear: str = "auto"
     # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"

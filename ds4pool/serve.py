@@ -139,11 +139,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     _flag(
         g,
         "--cpu-linear",
-        default="torch",
+        default="auto",
         choices=["auto", "onednn", "torch"],
-        help="CPU: run the projections through oneDNN prepacked weights (auto: onednn on "
-        "CPU in float32, measured faster decode on AMD CPUs where MKL is slow, but RSS grows "
-        "with each distinct batch row count; torch, the default: F.linear)",
+        help="CPU: run the projections through oneDNN prepacked weights (auto, the default: "
+        "onednn on CPU in float32, measured faster batched decode on AMD CPUs where MKL is "
+        "slow, F.linear elsewhere; torch: F.linear)",
     )
     _flag(
         g,

@@ -12,6 +12,13 @@ row's output is also the same bits alone or inside any batch (MKL's is not).
 hold only the packed weight (the dense one is freed: RAM stays flat). It is called once,
 after loading, by whoever builds the runner (engine.py, bench/decode.py): the choice lives
 in the model's modules, no process-wide switch.
+
+Row buckets: oneDNN caches one primitive per distinct input shape (~0.57 MiB each whatever
+the weight's size, up to 1,024 of them), so a server whose steps take every row count from 1
+to a few hundred would grow by hundreds of MiB. `PackedLinear` pads the rows up to one of
+`ROW_BUCKETS` (28 sizes) and runs longer inputs as `ROW_CAP`-row slabs: at most 28
+primitives per weight shape (~16 MiB). Rows are independent in oneDNN's kernel (a row's bits
+do not depend on the row count: tests/unit/test_cpu_linear.py), so padding changes no value.
 """
 
 from __future__ import annotations
@@ -32,6 +39,27 @@ DENSE_READERS = ("kv_b_proj",)
 # packing serves every batch size (measured: prompt chunks of 256 rows gain as well).
 BATCH_HINT = 16
 
+# Row counts up to EXACT_ROWS (small decode batches) run as they are; larger ones are rounded
+# up to STEPS_PER_OCTAVE sizes per doubling (10, 12, 14, 16, 20, ..., 224, 256). From ~8 rows
+# on a GEMM's time grows with its rows, so a padded call costs its bucket's GEMM: at most ~24%
+# more rows (measured, docs/BENCHMARKS.md). Past ROW_CAP the time per row is flat, so longer
+# inputs run as ROW_CAP-row slabs.
+EXACT_ROWS = 8
+STEPS_PER_OCTAVE = 4
+ROW_CAP = 256
+
+
+def row_bucket(rows: int) -> int:
+    """The padded row count oneDNN sees for `rows` (1 <= rows <= ROW_CAP)."""
+    assert 1 <= rows <= ROW_CAP, rows
+    if rows <= EXACT_ROWS:
+        return rows
+    step = (1 << (rows - 1).bit_length()) // (2 * STEPS_PER_OCTAVE)  # rows in (2^k, 2^(k+1)]
+    return -(-rows // step) * step
+
+
+ROW_BUCKETS = tuple(sorted({row_bucket(m) for m in range(1, ROW_CAP + 1)}))
+
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W in oneDNN's layout (an opaque tensor of W's size and dtype:
@@ -45,7 +73,36 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        m = rows.shape[0]
+        if m <= ROW_CAP:
+            out = self._bucketed(rows)
+        else:
+            # [0, full) as whole slabs (views, no copy); [full, M) as one padded remainder
+            out = rows.new_empty(m, self.out_features)
+            full = m - m % ROW_CAP
+            for start in range(0, full, ROW_CAP):
+                out[start : start + ROW_CAP] = self._run(rows[start : start + ROW_CAP])
+            if full < m:
+                out[full:] = self._bucketed(rows[full:])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _bucketed(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M <= ROW_CAP, K] -> [M, N], oneDNN seeing row_bucket(M) rows. The padded
+        copy lives for this call only (at most ROW_CAP x K): memory does not grow with use."""
+        m = rows.shape[0]
+        if m == 0:
+            return rows.new_empty(0, self.out_features)
+        bucket = row_bucket(m)
+        if bucket == m:
+            return self._run(rows)
+        padded = rows.new_empty(bucket, self.in_features)
+        padded[:m] = rows
+        padded[m:].zero_()  # finite filler: the padded rows' outputs are dropped
+        return self._run(padded)[:m]
+
+    def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"

@@ -52,6 +52,8 @@ MiB = 1 << 20
 #   a ~1.5 MB session at once, on the worker and on the persist thread), allocator slack
 #   (glibc keeps freed chunks of these few-MB buffers in its per-thread arenas), Python
 #   objects per session (token ids, texts) and the HTTP buffers of CLIENTS connections.
+#   With --cpu-linear auto (the CPU default) also oneDNN's primitives for the row buckets
+#   that the steps reach (model/cpu_linear.py): measured ~20 MiB more growth than F.linear.
 # A tier leak (every session's KV kept) would add SESSIONS x ~1.5 MB on top: 72 MB reduced,
 # 384 MB full.
 RSS_OVERHEAD = 96 * MiB

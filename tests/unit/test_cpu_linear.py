@@ -4,6 +4,7 @@ the option's parsing and refusals, and the fallback to F.linear when the check a
 from __future__ import annotations
 
 import argparse
+import resource
 
 import pytest
 import torch
@@ -13,7 +14,15 @@ from ds4pool.engine import EngineConfig
 from ds4pool.errors import DeviceError
 from ds4pool.model import cpu_linear
 from ds4pool.model.config import ModelConfig
-from ds4pool.model.cpu_linear import PackedLinear, pack_cpu_linears, select_cpu_linear
+from ds4pool.model.cpu_linear import (
+    EXACT_ROWS,
+    ROW_BUCKETS,
+    ROW_CAP,
+    PackedLinear,
+    pack_cpu_linears,
+    row_bucket,
+    select_cpu_linear,
+)
 from ds4pool.model.demo import init_random_
 from ds4pool.model.loader import build_empty
 from ds4pool.serve import add_engine_flags, add_server_flags, build_config
@@ -41,7 +50,7 @@ def engine_cfg(argv: list[str]) -> EngineConfig:
 
 
 def test_flag_parses_and_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert engine_cfg([]).cpu_linear == "torch"  # opt-in: RSS grows per row count
+    assert engine_cfg([]).cpu_linear == "auto"  # row buckets bound oneDNN's primitives
     assert engine_cfg(["--cpu-linear", "torch"]).cpu_linear == "torch"
     monkeypatch.setenv("DS4POOL_CPU_LINEAR", "onednn")
     assert engine_cfg([]).cpu_linear == "onednn"
@@ -122,3 +131,65 @@ def test_cli_refuses_onednn_in_bfloat16_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("ds4pool: error:") and "float32 only" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_row_buckets_are_few_and_waste_at_most_a_quarter() -> None:
+    assert len(ROW_BUCKETS) <= 28 and ROW_BUCKETS[-1] == ROW_CAP
+    for m in range(1, ROW_CAP + 1):
+        b = row_bucket(m)
+        assert m <= b <= ROW_CAP and b in ROW_BUCKETS
+        assert b == m if m <= EXACT_ROWS else (b - m) / m <= 0.25, (m, b)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+@needs_onednn
+def test_any_row_count_runs_on_the_buckets_with_solo_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every row count from 1 to 600 (past ROW_CAP: slabs) matches F.linear, gives each row
+    the bits it has alone, and only ROW_BUCKETS row counts reach oneDNN."""
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(72, 40)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 72, generator=gen))
+    packed = PackedLinear(lin)
+    x = torch.randn(600, 72, generator=gen)
+    seen: set[int] = set()
+    run = PackedLinear._run
+
+    def recording(self: PackedLinear, rows: torch.Tensor) -> torch.Tensor:
+        seen.add(rows.shape[0])
+        return run(self, rows)
+
+    monkeypatch.setattr(PackedLinear, "_run", recording)
+    with torch.no_grad():
+        solo = torch.cat([packed(x[i : i + 1]) for i in range(600)])
+        want = lin(x)
+        for m in [*range(1, 80), 97, 129, 255, 256, 257, 300, 511, 512, 513, 600]:
+            got = packed(x[:m])
+            assert got.shape == (m, 40)
+            assert torch.equal(got, solo[:m]), f"M={m}: {(got - solo[:m]).abs().max()}"
+        assert (solo - want).abs().max().item() < 1e-4
+        assert packed(x[:6].reshape(2, 3, 72)).shape == (2, 3, 40)
+        assert packed(x[:0]).shape == (0, 40)
+    assert seen <= set(ROW_BUCKETS), sorted(seen - set(ROW_BUCKETS))
+
+
+@needs_onednn
+def test_rss_stays_bounded_over_every_row_count() -> None:
+    """oneDNN caches ~0.57 MiB per distinct input shape: unbucketed, rows 1..600 on one weight
+    grew the RSS by ~340 MiB; with the buckets at most len(ROW_BUCKETS) primitives."""
+    lin = nn.Linear(88, 24)  # a shape no other test uses: its primitives are new here
+    packed = PackedLinear(lin)
+    x = torch.randn(600, 88)
+    with torch.no_grad():
+        packed(x[:1])
+        before = rss_mib()
+        for m in range(1, 601):
+            packed(x[:m])
+    grown = rss_mib() - before
+    assert grown < 40, f"RSS grew {grown:.0f} MiB over row counts 1..600"
