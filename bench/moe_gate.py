@@ -30,8 +30,10 @@ BLOCK_ES = (1, 2, 4, 8, 16)
 WARPS = (1, 2, 4, 8)
 
 
-def graph_us(fn: Callable[[int], None], layers: int, replays: int) -> float:
-    """µs per layer of fn(layer) for every layer, captured in one graph; best of 3."""
+def graph_us(fn: Callable[[int], None], layers: int, replays: int, repeats: int = 3) -> float:
+    """µs per layer of fn(layer) for every layer, captured in one CUDA graph (after one eager
+    pass on a side stream: compiles and warm-up), timed over `replays` with CUDA events; the
+    best of `repeats` such timings. bench/moe_layer.py times its blocks with it too."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -44,7 +46,7 @@ def graph_us(fn: Callable[[int], None], layers: int, replays: int) -> float:
             fn(i)
     graph.replay()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):

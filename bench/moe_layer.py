@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import copy_bandwidth  # noqa: E402
+from bench.moe_gate import graph_us  # noqa: E402
 from ds4pool.model.demo import preset_config  # noqa: E402
 from ds4pool.model.kernels.triton_moe_configs import (  # noqa: E402
     DEFAULT,
@@ -52,29 +53,10 @@ def layer_us(
     blocks: list[SparseMoeBlock], x: torch.Tensor, replays: int, repeats: int = 1
 ) -> float:
     """µs per layer: one forward of each block captured in one graph, timed over `replays`
-    (distinct blocks, so the L2 cache holds no expert of the next one); the best of
-    `repeats` such timings."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for b in blocks:  # compile and warm up outside the capture
-            b(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        for b in blocks:  # the same input to each: its routing is of a real-scale token
-            b(x)
-    graph.replay()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (replays * len(blocks)))
-    return best
+    (distinct blocks, so the L2 cache holds no expert of the next one; the same input to
+    each: its routing is of a real-scale token); the best of `repeats` such timings."""
+    with torch.no_grad():
+        return graph_us(lambda i: blocks[i](x), len(blocks), replays, repeats)
 
 
 def sweep(
