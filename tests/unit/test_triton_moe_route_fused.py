@@ -2,7 +2,7 @@
 DeferredRoute, decode_experts(route=...)) against the separate route launch, under Triton's
 CPU interpreter: the same weights, ids and groups, bit for bit, and the same expert output,
 for the Qwen3-MoE and Mixtral routers (and DeepSeek-V3's, which takes the same code when
-asked), one token to 64, with and without norm_topk_prob, with tied logits, over GEMV and
+asked), one token to 16, with and without norm_topk_prob, with tied logits, over GEMV and
 dot tiles (the router's rows fewer than the tile's) and a split gate_up (programs past
 (0, 0, 0) must not store); and whole sparse blocks, routed either way, equal bitwise.
 
@@ -18,13 +18,14 @@ import pytest
 
 from tests.interpreter import interpreter_results, print_cases
 
-TOKENS = (1, 2, 5, 16, 64)
+# up to ROUTE_IN_GATE_UP_VERIFIED_TOKENS: no step routes in the gate_up past it
+TOKENS = (1, 2, 5, 16)
 # route case → (router, experts, top-k, norm_topk_prob, tokens, logits, tiles): logits
 # "randn" or "ties" (integers in [-2, 2]: most tokens tie, some across the k-th place);
 # tiles "gemv" (one row a token, as many as the router's), "dot" (16-row tiles: the router's
 # rows widened), "split" (dot tiles, the gate_up's K in 2 strips)
 ROUTE_CASES: dict[str, tuple[str, int, int, bool, int, str, str]] = {}
-for _t, _tiles in zip(TOKENS, ("gemv", "split", "dot", "dot", "split")):
+for _t, _tiles in zip(TOKENS, ("gemv", "split", "dot", "split")):
     for _router, _e, _k in (("softmax_topk", 24, 4), ("topk_softmax", 8, 2)):
         for _norm in (True, False):
             ROUTE_CASES[f"{_router}_t{_t}_norm{int(_norm)}"] = (
