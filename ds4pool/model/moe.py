@@ -295,11 +295,15 @@ class SparseMoeBlock(nn.Module):
         the add and the norm in one launch (updating `residual` in place, as TritonOps'
         add_rms_norm does), where the step takes the decode kernels on the Triton path and
         there are no shared experts; None elsewhere: the caller runs forward and the norm."""
-        if getattr(ops, "name", None) != "triton" or self.shared_experts is not None:
-            return None
-        if not self._takes_decode(x):
+        if not self._fuses_norms(x, ops):
             return None
         return residual, self._decode(x, residual, norm)
+
+    def _fuses_norms(self, x: torch.Tensor, ops: Any) -> bool:
+        """Whether this step's norms around the block run inside its decode kernels: the
+        Triton path's decode kernels, and no shared experts to add after them."""
+        triton_ops = getattr(ops, "name", None) == "triton"
+        return triton_ops and self.shared_experts is None and self._takes_decode(x)
 
     def decode_layer(
         self,
@@ -317,9 +321,7 @@ class SparseMoeBlock(nn.Module):
         and add_norm."""
         if not self.fuse_gate or self.gate.moe.router == "sigmoid_group_topk":
             return None  # DeepSeek-V3's scores are float32 logits of float32 inputs
-        if getattr(ops, "name", None) != "triton" or self.shared_experts is not None:
-            return None
-        if not self._takes_decode(a):
+        if not self._fuses_norms(a, ops):
             return None
         from ds4pool.model.kernels.triton_moe_gate import add_norm_logits
 
