@@ -26,6 +26,16 @@ import triton.language as tl
 
 
 @triton.jit
+def normalised_row(x, w, n, eps):
+    """x [BLOCK] (one row in the activation dtype, zeros past n) → w * (x / rms(x)): the norm
+    in float32, the normalised row cast to x's dtype before the weight multiply. Every fused
+    norm of the decode path calls it, so they round alike (triton_moe_gate's too)."""
+    h = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    return (h * inv).to(x.dtype) * w
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -37,10 +47,7 @@ def _rms_norm_kernel(
     if HAS_RES:
         x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(res_ptr + row * stride_r + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (h * inv).to(x.dtype) * w
+    y = normalised_row(x, tl.load(w_ptr + cols, mask=mask, other=0.0), n, eps)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels.triton_fused import normalised_row
+
 # Experts a program dots, and its warps: ONE launch for every T, because they set how a row's
 # logits are summed (the tile's layout), and a row must get the same bits alone or in a batch.
 # From `python3 bench/moe_gate.py --tokens 1 8 64` on the H200 (2026-12-02, µs a layer for
@@ -55,10 +57,8 @@ def _norm_logits_kernel(
     )
     x = tl.load(a_ptr + row * stride_a + cols, mask=c_ok, other=0.0)
     x = x + tl.load(res_ptr + row * stride_r + cols, mask=c_ok, other=0.0)
-    hf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
     nw = tl.load(nw_ptr + cols, mask=c_ok, other=0.0)
-    y = ((hf * inv).to(x.dtype) * nw).to(h_ptr.dtype.element_ty)
+    y = normalised_row(x, nw, n, eps).to(h_ptr.dtype.element_ty)
     mine = cols < tl.where(block == 0, n, 0)  # expert block 0 stores the row
     tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mine)
     tl.store(h_ptr + row * stride_h + cols, y, mask=mine)
