@@ -126,8 +126,14 @@ def decode_steps(
     start: int,
     steps: int,
     warmup: int = 2,
+    ahead: bool = False,
 ) -> float:
-    """Wall time of `steps` greedy decode steps of all sequences after `warmup` untimed ones."""
+    """Wall time of `steps` greedy decode steps of all sequences after `warmup` untimed ones.
+    `ahead`: each step is launched before the step before it is read back, its ids fed on
+    the device (runner.launch(feed=), the server's overlap "ahead"); else each step waits
+    for the previous one's ids on the host."""
+    if ahead:
+        return _decode_steps_ahead(runner, pool, tables, last, start, steps, warmup)
     n = start
     elapsed = 0.0
     for i in range(steps + warmup):
@@ -146,11 +152,51 @@ def decode_steps(
     return elapsed
 
 
-def bench_batch(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
+def _decode_steps_ahead(
+    runner: ModelRunner,
+    pool: BlockPool,
+    tables: list[BlockTable],
+    last: list[int],
+    start: int,
+    steps: int,
+    warmup: int,
+) -> float:
+    """decode_steps with each step fed by the one before it: launch i, then wait i - 1; timed
+    from the end of the last warm-up step to the end of the last step."""
+    prev = None
+    t0 = 0.0
+    for i in range(steps + warmup):
+        n = start + i
+        for t in tables:
+            t.ensure(pool, n + 1)
+        if prev is None:
+            seqs = [
+                SeqInput([tok], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch)
+                for j, (tok, t) in enumerate(zip(last, tables))
+            ]
+            launched = runner.launch(seqs)
+        else:
+            seqs = [
+                SeqInput([0], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch, fed_from=j)
+                for j, t in enumerate(tables)
+            ]
+            launched = runner.launch(seqs, feed=prev)
+            runner.wait(prev)
+        if i == warmup:
+            t0 = time.perf_counter()  # the warm-up steps are done: step `warmup` runs now
+        prev = launched
+    assert prev is not None
+    runner.wait(prev)
+    return time.perf_counter() - t0
+
+
+def bench_batch(
+    runner: ModelRunner, batch: int, prompt_len: int, steps: int, ahead: bool = False
+) -> float:
     """`steps` decode steps (after 2 warm-up steps) of `batch` sequences → tok/s."""
     pool = BlockPool(runner.num_blocks)
     tables, last = prefill_batch(runner, pool, batch, prompt_len)
-    elapsed = decode_steps(runner, pool, tables, last, prompt_len, steps)
+    elapsed = decode_steps(runner, pool, tables, last, prompt_len, steps, ahead=ahead)
     for t in tables:
         t.release(pool)
     return batch * steps / elapsed
@@ -179,6 +225,15 @@ def main() -> None:
         default=["auto"],
         help="CUDA: torch's preferred BLAS library for the projections, one run each on the\n"
         "same loaded model (auto: cublaslt on CUDA, as the server; default: torch's choice)",
+    )
+    ap.add_argument(
+        "--launch",
+        nargs="+",
+        choices=["auto", "sync", "ahead"],
+        default=["auto"],
+        help="sync: each decode step launched once the previous one's ids are read back;\n"
+        "ahead: launched before, its ids fed on the device (the server's overlap ahead);\n"
+        "auto: as the server (ahead on CUDA, sync elsewhere); one run each",
     )
     ap.add_argument(
         "--cpu-linear",
@@ -215,6 +270,7 @@ def main() -> None:
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
         f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {' '.join(args.blas)}, "
+        f"launch {' '.join(args.launch)}, "
         f"linears {linear}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
@@ -228,6 +284,9 @@ def main() -> None:
     rows = []  # (attention backend, batch, tok/s)
     prefill_s = None
     default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
+    launches = [
+        ("ahead" if device.type == "cuda" else "sync") if m == "auto" else m for m in args.launch
+    ]
     for backend, blas in [(a, b) for a in args.backend for b in args.blas]:
         if default_blas is not None:  # the library is a process-wide setting: set per run
             torch.backends.cuda.preferred_blas_library(blas_library(blas, device) or default_blas)
@@ -240,9 +299,12 @@ def main() -> None:
             max_decode_batch=max(64, max(args.batch)),
         )
         label = runner.backend.name + ("" if len(args.blas) == 1 else f" / {blas}")
-        for b in args.batch:
-            rows.append((label, b, bench_batch(runner, b, args.prompt_len, args.steps)))
-            print(f"# {rows[-1][0]} batch {b}: {rows[-1][2]:.1f} tok/s", flush=True)
+        for launch in launches:
+            tag = label + ("" if len(launches) == 1 else f" / {launch}")
+            for b in args.batch:
+                tps = bench_batch(runner, b, args.prompt_len, args.steps, launch == "ahead")
+                rows.append((tag, b, tps))
+                print(f"# {tag} batch {b}: {tps:.1f} tok/s", flush=True)
         if args.prefill and prefill_s is None:
             prefill_s = bench_prefill(runner, args.prefill, args.prefill_chunk or args.prefill)
         del runner

@@ -3,7 +3,7 @@
     python bench/host_step.py                              # tiny model on CPU, N = 16 32 64
     python bench/host_step.py --profile 64                 # + cProfile of the N = 64 steps
     python bench/host_step.py --model random:llama3-8b --device cuda --dtype bfloat16 \
-        --overlap off on                                   # the H200 comparison
+        --overlap off on ahead                             # the H200 comparison
 
 The real Scheduler + SessionPool + ModelRunner + Worker of an Engine, driven step by step
 from this thread (the engine's worker thread is stopped), so every phase can be timed and
@@ -110,6 +110,8 @@ def instrument(e: Engine, phases: Phases) -> None:
     # process = advance + settle (the synchronous loop calls both through these attributes)
     for name in ("schedule", "advance", "settle"):
         setattr(sched, name, phases.timed(name, getattr(sched, name)))
+    # a step built ahead (overlap ahead) is a schedule too
+    sched.schedule_ahead = phases.timed("schedule", sched.schedule_ahead)  # type: ignore[method-assign]
     for name in ("launch", "wait"):
         setattr(runner, name, phases.timed("runner", getattr(runner, name)))
     runner.validate = phases.timed("prep", runner.validate)  # type: ignore[method-assign]
@@ -219,7 +221,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=3072, help="prompt tokens per session")
     ap.add_argument("--steps", type=int, default=48, help="decode steps counted")
     ap.add_argument("--warmup", type=int, default=8, help="decode steps before counting")
-    ap.add_argument("--overlap", nargs="+", default=["default"], help="on / off per run")
+    ap.add_argument(
+        "--overlap", nargs="+", default=["default"], help="off / on / ahead per run (default: auto)"
+    )
     ap.add_argument("--cuda-graphs", default="lazy", help="eager, lazy (default), ahead")
     ap.add_argument("--kv-gb", type=float, default=None, help="device KV (default 2 GB CPU)")
     ap.add_argument(

@@ -82,7 +82,9 @@ class EngineConfig:
     max_batch_size: int = 64
     coalesce_us: int = 0
     # write a step's results back while the device runs the next one (sched/worker.py):
-    # "auto" (on for CUDA, off elsewhere: on CPU the forward is host work, nothing overlaps)
+    # "on"; "ahead": also launch a steady decode batch's next step before this one is read
+    # back (sched/ahead.py); "auto": ahead on CUDA, off elsewhere (on CPU the forward is host
+    # work, nothing overlaps)
     overlap: str = "auto"
     no_batching: bool = False
     max_waiting: int = 1024
@@ -148,7 +150,7 @@ class EngineConfig:
                 raise ValueError("lease_ttl_s must be > 0")
 
 
-OVERLAP_MODES = ("auto", "on", "off")
+OVERLAP_MODES = ("auto", "on", "ahead", "off")
 
 # Default max_prefill_tokens per device type: about what a step can prefill while decoders
 # wait no more than a few decode steps (bench/sched.py part 2; docs/BENCHMARKS.md).
@@ -277,8 +279,16 @@ class Engine:
         )
         # graphs left out of the start-up capture (or missed by a step) are captured when idle
         idle = self.runner.capture_pending_graph if self.graph_capture is not None else None
-        overlap = cfg.overlap == "on" or (cfg.overlap == "auto" and loaded.device.type == "cuda")
-        self.worker = Worker(self.scheduler, cfg.coalesce_us, idle=idle, overlap=overlap)
+        mode = cfg.overlap
+        if mode == "auto":
+            mode = "ahead" if loaded.device.type == "cuda" else "off"
+        self.worker = Worker(
+            self.scheduler,
+            cfg.coalesce_us,
+            idle=idle,
+            overlap=mode in ("on", "ahead"),
+            ahead=mode == "ahead",
+        )
         self.worker.start()
         self._closed = False
         self._grammars: GrammarCache | None = None  # built on first use (imports xgrammar)

@@ -78,9 +78,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g,
         "--overlap",
         default="auto",
-        choices=["auto", "on", "off"],
-        help="write a step's results back while the device runs the next step "
-        "(auto: on for CUDA, off elsewhere)",
+        choices=["auto", "on", "ahead", "off"],
+        help="write a step's results back while the device runs the next step; ahead: also "
+        "launch a steady decode batch's next step before this one is read back "
+        "(auto: ahead on CUDA, off elsewhere)",
     )
     _flag(
         g,

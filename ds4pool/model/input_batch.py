@@ -7,7 +7,10 @@ uploads only what changed since the last one:
     tokens  [4, R] int64   rows: input id, position, slot, context length
     tables  [R, max_blocks] int32   block tables (row-major, padded with 0)
 
-`tokens` is rewritten each step (4 × B ints: one pinned host → device copy). Block tables
+`tokens` is rewritten each step (4 × B ints: one pinned host → device copy, from one of two
+staging buffers in turn, so a step launched ahead never rewrites the one the step before it
+may still be copying from; `feed` then puts that step's sampled ids in the ids row on the
+device). Block tables
 are updated by diffs (`TableRows`): a row that held the same sequence (`seq_id`) under the
 same block table epoch last step gets only the block ids past the ones it has (usually
 none, one every block_size steps); any other row is rewritten. The diffs of all rows go up
@@ -139,7 +142,10 @@ class InputBatch:
         self.sliding_window = sliding_window
         pin = device.type == "cuda"
         self.tokens = torch.zeros((4, max_rows), dtype=torch.int64, device=device)
-        self._staging = torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin)
+        self._staging = [
+            torch.zeros((4, max_rows), dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self._flip = 0
         self.table_rows = TableRows(max_rows, max_blocks_per_seq, device, index_dtype)
         self.context_lens = torch.zeros(max_rows, dtype=index_dtype, device=device)
         self.arange = torch.arange(max_rows, dtype=torch.int64, device=device)
@@ -157,7 +163,8 @@ class InputBatch:
         n = len(rows)
         assert 0 < n <= bucket <= self.max_rows, (n, bucket, self.max_rows)
         bs = self.layout.block_size
-        host = self._staging
+        host = self._staging[self._flip]
+        self._flip ^= 1
         ids, pos, slots, ctx = stage_decode_rows(rows, self.table_rows, bs)
         pad = bucket - n
         ids += [0] * pad
@@ -175,6 +182,18 @@ class InputBatch:
         for i in range(n, bucket):
             self.table_rows.forget(i)  # padding rows' tables are never read (context 0)
         return max(ctx[:n])
+
+    def feed(self, rows: list[int], sources: list[int], sampled: torch.Tensor) -> None:
+        """Input ids of `rows` from a step's sampled ids on the device: row rows[j] gets
+        sampled[sources[j]] (after `load`, whose upload wrote placeholders there)."""
+        ids = self.tokens[IDS]
+        m = len(rows)
+        if rows[-1] == m - 1 and sources == rows:  # the steady case: the same rows in order
+            ids[:m].copy_(sampled[:m])
+            return
+        index = torch.tensor([rows, sources], dtype=torch.int64)
+        index = index.to(self.device, non_blocking=True)
+        ids.index_copy_(0, index[0], sampled.index_select(0, index[1]))
 
     def metadata(
         self, bucket: int, max_context: int | None, width: int | None = None

@@ -6,6 +6,12 @@ readback of the sampled ids. `step` = `wait(launch(...))`: `launch` queues the d
 and the readback, `wait` is the sync, so the worker can write back the step before while the
 device runs the next one (sched/worker.py, overlap).
 
+A decode step may also be launched *ahead*, before the step it follows has been read back
+(`launch(seqs, feed=launched)`): rows with `fed_from >= 0` take their input id from that
+step's sampled ids on the device, so the device goes from one step to the next without
+waiting for the host (sched/worker.py, overlap "ahead"). At most two steps are in flight;
+they are waited in launch order.
+
 Two paths:
 - decode-only steps (one token per sequence) go through the persistent `InputBatch`,
   which uploads only what changed (block tables by diffs keyed by seq_id and the table's
@@ -66,6 +72,11 @@ class SeqInput:
     table_epoch: int = 0
     # host int32 [ceil(V / 32)], bit v set = token v allowed (grammar-constrained rows only)
     token_bitmask: torch.Tensor | None = None
+    # >= 0: a decode row whose one input id is row `fed_from` of the sampled ids of the step
+    # passed as launch(feed=...), copied on the device (token_ids holds a placeholder); that
+    # token is not in output_token_ids yet, so it counts in the sampler's step index. Rows
+    # with penalties or a grammar cannot be fed: both need the token on the host.
+    fed_from: int = -1
 
     @property
     def context_len(self) -> int:
@@ -87,6 +98,7 @@ class Launched:
     sampled: torch.Tensor | None  # [R] int64: pinned host (CUDA, valid after the event), or CPU
     event: torch.cuda.Event | None
     logits: torch.Tensor | None
+    device_sampled: torch.Tensor | None = None  # [R] int64 on the device: what a step fed reads
 
 
 def select_backend(
@@ -154,8 +166,11 @@ class ModelRunner:
             fused = self.backend.name in ("triton", "triton-mla")
             set_backend(self.backend, TritonOps() if fused else TorchOps())
         self.sampler = Sampler(self.device)
-        self._readback: torch.Tensor | None = None  # pinned [>= R] int64: sampled ids (CUDA)
-        self._launched = False  # a launched step not waited yet
+        # pinned [>= R] int64 buffers for the sampled ids (CUDA), two: a step launched ahead
+        # reads back into the other one
+        self._readback: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
+        self._launched = 0  # launched steps not waited yet (2 only with a step fed)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.batch = InputBatch(
             self.layout,
@@ -256,17 +271,30 @@ class ModelRunner:
         return self.wait(self.launch(seqs, return_logits))
 
     @torch.inference_mode()
-    def launch(self, seqs: Sequence[SeqInput], return_logits: bool = False) -> Launched:
+    def launch(
+        self,
+        seqs: Sequence[SeqInput],
+        return_logits: bool = False,
+        feed: Launched | None = None,
+    ) -> Launched:
         """All of a step's device work up to the sampled ids and their copy to the host,
         without waiting for it (on CUDA the host returns while the device runs; on CPU the
-        work is done here). Every launch must be waited before the next one: they share the
-        pinned readback buffer and the persistent input batch."""
-        assert not self._launched, "launch() before the previous step was waited"
+        work is done here). A launch must be waited before the next one, unless the next is
+        a decode step fed by it (`feed`, rows with `fed_from`): then two are in flight, and
+        the first must not have asked for logits (a graph's output buffer is reused)."""
+        fed = [i for i, s in enumerate(seqs) if s.fed_from >= 0]
+        if feed is None:
+            assert not self._launched, "launch() before the previous step was waited"
+            assert not fed, "rows with fed_from need the step that feeds them (feed=)"
+        else:
+            assert self._launched <= 1, "launch() with two steps not waited"
+            assert feed.logits is None and feed.device_sampled is not None, "feed has no ids"
         self.validate(seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
         decode = len(seqs) <= self.batch.max_rows and all(len(s.token_ids) == 1 for s in seqs)
+        assert decode or not fed, "only a decode step can be fed"
         if decode:
-            logits = self._decode_logits(seqs)  # [B, V], every row
+            logits = self._decode_logits(seqs, fed, feed)  # [B, V], every row
             if len(rows) != len(seqs):
                 index = torch.tensor(rows, dtype=torch.int64).to(self.device)
                 logits = logits.index_select(0, index)
@@ -275,7 +303,7 @@ class ModelRunner:
         else:
             logits = self._eager_logits(seqs, rows)
         if not rows:
-            return Launched(len(seqs), rows, None, None, None)
+            return Launched(len(seqs), rows, None, None, None)  # nothing to wait for
         logits = logits.float()  # [R, V]
         masked = [(j, m) for j, i in enumerate(rows) if (m := seqs[i].token_bitmask) is not None]
         if masked:  # out of place: logits may be a CUDA graph's static output buffer
@@ -285,22 +313,28 @@ class ModelRunner:
             [seqs[i].sampling for i in rows],
             [seqs[i].seed for i in rows],
             [seqs[i].output_token_ids for i in rows],
+            [int(seqs[i].fed_from >= 0) for i in rows] if fed else None,
         )
-        event = None
+        on_device, event = sampled_t, None
         if self.device.type == "cuda":  # queue the readback now; wait() only syncs on it
-            if self._readback is None or self._readback.numel() < len(rows):
-                self._readback = torch.empty(max(len(rows), 64), dtype=torch.int64, pin_memory=True)
-            host = self._readback[: len(rows)]
+            buf = self._readback[self._flip]
+            if buf is None or buf.numel() < len(rows):
+                buf = torch.empty(max(len(rows), 64), dtype=torch.int64, pin_memory=True)
+                self._readback[self._flip] = buf
+            self._flip ^= 1
+            host = buf[: len(rows)]
             host.copy_(sampled_t, non_blocking=True)
             sampled_t = host
             event = torch.cuda.Event()
             event.record()
-        self._launched = True
-        return Launched(len(seqs), rows, sampled_t, event, logits if return_logits else None)
+        self._launched += 1
+        logits_out = logits if return_logits else None
+        return Launched(len(seqs), rows, sampled_t, event, logits_out, on_device)
 
     def wait(self, launched: Launched) -> StepOutput:
-        """The one host sync of a step: its sampled ids."""
-        self._launched = False
+        """The one host sync of a step: its sampled ids (steps are waited in launch order)."""
+        if launched.sampled is not None:  # a launch with no sampling row queued nothing
+            self._launched -= 1
         if launched.event is not None:
             launched.event.synchronize()
         out: list[int | None] = [None] * launched.num_seqs
@@ -309,7 +343,9 @@ class ModelRunner:
                 out[i] = tok
         return StepOutput(sampled=out, logits=launched.logits)
 
-    def _decode_logits(self, seqs: Sequence[SeqInput]) -> torch.Tensor:
+    def _decode_logits(
+        self, seqs: Sequence[SeqInput], fed: list[int], feed: Launched | None
+    ) -> torch.Tensor:
         n = len(seqs)
         bucket = self.graphs.bucket_for(n) if self.graphs is not None else None
         max_ctx = self.batch.load(
@@ -319,6 +355,9 @@ class ModelRunner:
             ],
             bucket or n,
         )
+        if fed:  # after the load's upload, in stream order: the fed ids overwrite placeholders
+            assert feed is not None and feed.device_sampled is not None
+            self.batch.feed(fed, [seqs[i].fed_from for i in fed], feed.device_sampled)
         if bucket is not None:
             assert self.graphs is not None
             if self.graphs.ready(self.graphs.decode_key(bucket, max_ctx)):

@@ -173,11 +173,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
         output_token_ids: Sequence[Sequence[int]],
+        unseen: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """logits [B, V] (any float dtype, on device) → sampled ids [B] int64 on the same device.
 
         seeds[i] is row i's resolved seed; output_token_ids[i] the tokens it generated so far
         (penalties count them; their number is the step index of the random stream).
+        unseen[i]: tokens row i has generated that are not in output_token_ids[i] yet (a step
+        launched ahead of its predecessor's readback: runner.SeqInput.fed_from); they count
+        in the step index. Rows with penalties must have none (the caller's rule).
         """
         num_rows, vocab_size = logits.shape
         assert len(params) == len(seeds) == len(output_token_ids) == num_rows
@@ -185,6 +189,8 @@ class Sampler:
         logits32 = self._penalized(logits.float(), params, output_token_ids)  # [B, V]
         rows = [i for i, p in enumerate(params) if not p.greedy]
         steps = [len(ids) for ids in output_token_ids]
+        if unseen is not None:
+            steps = [s + u for s, u in zip(steps, unseen, strict=True)]
         if len(rows) == num_rows:
             return self._sample_rows(logits32, params, seeds, steps)
         token_ids = logits32.argmax(dim=-1)  # [B]; first index on ties

@@ -30,6 +30,7 @@ from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError, Tier
 from ds4pool.model.runner import ModelRunner, StepOutput
 from ds4pool.sched.admission import Admission
+from ds4pool.sched.ahead import ahead_rows, build_ahead
 from ds4pool.sched.config import SchedulerConfig, SchedulerObserver
 from ds4pool.sched.pretokenize import Pretokenizer, PromptPieces
 from ds4pool.sched.queue import FairQueue
@@ -139,6 +140,18 @@ class Scheduler:
         self._admit(step, budget)
         self._charge(step)
         return step if step.seqs else None
+
+    def schedule_ahead(self, prev: Step) -> Step | None:
+        """The step after `prev` (in flight, not read back) if nothing but prev's own tokens
+        can change it: its decode rows one position on, ids fed on the device (sched/ahead.py);
+        None: build the next step from prev's results (`schedule`)."""
+        rows = ahead_rows(prev, self.running, len(self.queue), self.writeback.late)
+        if rows is None:
+            return None
+        step = build_ahead(prev, rows)
+        if step is not None:
+            self._charge(step)
+        return step
 
     def _build_order(self) -> list[Seq]:
         """The running requests by (priority, arrival), sorted again only when the running
@@ -308,8 +321,10 @@ class Scheduler:
         """The whole writeback of a step, nothing in flight (the synchronous loop)."""
         self.settle(self.advance(step, out), in_flight=False)
 
-    def advance(self, step: Step, out: StepOutput) -> list[Pending]:
-        return self.writeback.advance(step, out)
+    def advance(self, step: Step, out: StepOutput, held: Step | None = None) -> list[Pending]:
+        """`held`: the step launched ahead of this writeback, in flight (schedule_ahead)."""
+        ids = frozenset(s.seq_id for s in held.seqs) if held is not None else frozenset()
+        return self.writeback.advance(step, out, ids)
 
     def settle(self, pending: list[Pending], in_flight: bool) -> None:
         self.writeback.settle(pending, in_flight)

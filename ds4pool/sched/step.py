@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # the scheduler itself never touches tensors: a bitmask passe
     import torch
 
 
+_PLACEHOLDER = (0,)  # a fed row's input id until the runner overwrites it on the device
+
+
 @dataclass
 class Step:
     seqs: list[Seq]
@@ -79,5 +82,28 @@ class Step:
                 # it launches this step, before the writeback appends to it (SeqInput)
                 output_token_ids=seq.output_ids,
                 token_bitmask=bitmask,
+            )
+        )
+
+    def add_fed(self, seq: Seq, row: int) -> None:
+        """Appends seq's next decode row in a step built ahead (sched/ahead.py): one position
+        past the step in flight, whose sampled id of `row` the runner feeds it on the device."""
+        assert seq.lease is not None
+        start = seq.num_computed + 1
+        table = seq.lease.table()
+        self.seqs.append(seq)
+        self.counts.append(1)
+        self.uncharged.append((seq.tenant, 1))
+        self.inputs.append(
+            SeqInput(
+                token_ids=_PLACEHOLDER,
+                num_computed=start,
+                block_table=table.block_ids,
+                seq_id=seq.seq_id,
+                table_epoch=table.epoch,
+                sampling=seq.req.sampling,
+                seed=seq.seed,
+                output_token_ids=seq.output_ids,  # without the fed token: the runner counts it
+                fed_from=row,
             )
         )

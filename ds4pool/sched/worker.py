@@ -13,6 +13,18 @@ stop string ends in settle N is already in step N+1: it is finished after N+1's 
 N+1 row is discarded, so no lease is released and no KV moves while a step that writes it
 runs, and the tokens, text and sessions are those of the synchronous loop.
 
+With `ahead` as well (overlap "ahead"), a steady decode batch does not wait for the host at
+all: step N+1 is built from N's rows and launched before N is waited, its input ids fed on
+the device from N's sampled ids (sched/ahead.py, runner.launch(feed=)):
+
+    launch N+1 (fed by N) → wait N → advance N → settle N → launch N+2 (fed by N+1) → ...
+
+and whenever the next step could differ from N's rows one position on (a request waits, a
+prompt chunk, a grammar, a row ending for certain), the turn falls back to the overlapped
+one above. A request that N ends by its token (end of sequence, a stop string) is in N+1
+already: finished after N+1's sync, as a stop string in the overlapped loop. Tokens, text and
+sessions stay those of the synchronous loop.
+
 Submissions take only the scheduler's queue lock, so they never wait on the device.
 A step that raises fails exactly its batch (sessions rolled back); the loop goes on.
 With no work, the loop runs `idle()` (one short piece of device work, e.g. a CUDA graph
@@ -52,10 +64,16 @@ class Worker:
         coalesce_us: int = 0,
         idle: Callable[[], bool] | None = None,
         overlap: bool = False,
+        ahead: bool = False,
     ) -> None:
         self.scheduler = scheduler
-        self.overlap = overlap
+        self.overlap = overlap or ahead
+        self.ahead = ahead
         self._in_flight: InFlight | None = None
+        # a step launched ahead, while the one before it (popped from _in_flight) is waited
+        self._ahead: InFlight | None = None
+        self._ahead_failed: tuple[Step, Exception] | None = None
+        self._ready_at = 0.0  # perf_counter when the last step's results were in
         self.coalesce_s = coalesce_us / 1e6
         self._idle = idle
         self._idle_left = idle is not None  # idle() may have work: call it when idle
@@ -100,10 +118,19 @@ class Worker:
 
     @property
     def in_flight(self) -> bool:
-        return self._in_flight is not None
+        return self._in_flight is not None or self._ahead is not None
+
+    def in_flight_seqs(self) -> set[int]:
+        """seq_ids of the requests in steps launched and not waited (tests probe this)."""
+        return {
+            seq.seq_id
+            for f in (self._in_flight, self._ahead)
+            if f is not None
+            for seq in f.step.seqs
+        }
 
     def busy(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self.in_flight
 
     def step_once(self) -> None:
         """One turn of the loop: a whole step, or (overlap) wait one and launch the next."""
@@ -113,15 +140,19 @@ class Worker:
             self._step()
 
     def _drain(self) -> None:
-        """Wait out a step in flight (its results are dropped): before the running requests
-        are failed, nothing may still write their blocks."""
-        inflight, self._in_flight = self._in_flight, None
-        if inflight is not None:
-            try:
-                self.scheduler.runner.wait(inflight.launched)
-            except Exception:
-                log.exception("worker: the step in flight failed as well")
+        """Wait out the steps in flight (their results are dropped): before the running
+        requests are failed, nothing may still write their blocks."""
+        for inflight in (self._in_flight, self._ahead):  # launch order
+            if inflight is not None:
+                self._wait_out(inflight)
+        self._in_flight = self._ahead = None
         self.scheduler.finish_late()
+
+    def _wait_out(self, inflight: InFlight) -> None:
+        try:
+            self.scheduler.runner.wait(inflight.launched)
+        except Exception:
+            log.exception("worker: the step in flight failed as well")
 
     def _run_idle(self) -> None:
         assert self._idle is not None
@@ -163,7 +194,11 @@ class Worker:
 
     def _step_overlapped(self) -> None:
         sched = self.scheduler
-        prev, self._in_flight = self._in_flight, None
+        prev = self._in_flight
+        if prev is not None and self.ahead:
+            self._launch_ahead(prev)
+        self._in_flight = None
+        ahead = self._ahead
         pending = None
         t_ready = time.perf_counter()
         if prev is not None:
@@ -172,18 +207,31 @@ class Worker:
                     out = sched.runner.wait(prev.launched)
             except Exception as exc:  # a fault reported at the sync: fail that batch only
                 log.error("worker: step of %d requests failed: %s", len(prev.step.seqs), exc)
+                if ahead is not None:  # fed by the failed step, holding its requests
+                    self._wait_out(ahead)
+                    self._ahead = ahead = None
                 sched.finish_late()
                 sched.fail(prev.step, exc)
             else:
                 t_ready = time.perf_counter()
-                step_s = t_ready - prev.t0  # launch → results: the device's step, mostly
+                # launch → results: the device's step, mostly; a step launched ahead starts
+                # when the one before it ends
+                step_s = t_ready - max(prev.t0, self._ready_at)
                 sched.observe_step(prev.step.sample(step_s, sched.cfg.prefill_cost))
                 sched.finish_late()  # before advance: their rows of prev are discarded
-                pending = sched.advance(prev.step, out)
+                pending = sched.advance(prev.step, out, held=ahead.step if ahead else None)
                 self.steps += 1
                 self._idle_left = self._idle is not None
                 sched.observer.step(len(prev.step.seqs), sum(prev.step.counts), step_s, prev.host)
-        step = sched.schedule()
+        self._ready_at = t_ready
+        if self._ahead_failed is not None:  # its requests' prev rows are advanced: fail them
+            (failed, exc), self._ahead_failed = self._ahead_failed, None
+            sched.fail(failed, exc)
+        step = None
+        if ahead is not None:
+            self._in_flight, self._ahead = ahead, None
+        else:
+            step = sched.schedule()
         if step is not None:
             _check_sessions(step)
             t0 = time.perf_counter()
@@ -205,6 +253,23 @@ class Worker:
                 # Work exists but cannot run now (a busy session, no free blocks): poll.
                 with sched.wakeup:
                     sched.wakeup.wait(0.005)
+
+    def _launch_ahead(self, prev: InFlight) -> None:
+        """Step N+1 from N's rows, launched before N is waited (sched/ahead.py), if it can be."""
+        sched = self.scheduler
+        step = sched.schedule_ahead(prev.step)
+        if step is None:
+            return
+        _check_sessions(step)
+        try:
+            with self.engine_lock:
+                launched = sched.runner.launch(step.inputs, feed=prev.launched)
+        except Exception as exc:  # on CPU the forward runs here: fail it once prev is written
+            log.error("worker: step of %d requests failed: %s", len(step.seqs), exc)
+            self._ahead_failed = (step, exc)
+            return
+        # no host time exposed: the device had the step before it still to run
+        self._ahead = InFlight(step, launched, time.perf_counter(), 0.0)
 
 
 def _check_sessions(step: Step) -> None:

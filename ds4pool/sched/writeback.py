@@ -16,6 +16,7 @@ synchronous loop would have done already: what users get is the same in both loo
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,11 +57,16 @@ class Writeback:
         self.observer = observer
         self.finish = finish  # ends a request: commits its session, releases its lease
         self._unsettled: dict[int, Pending] = {}  # by seq_id: advanced, not settled
-        self._late: list[tuple[Seq, int]] = []  # ended by a stop string under a step
+        # ended (a stop string; with a step launched ahead, any reason) under a step in flight
+        self._late: list[tuple[Seq, int, str]] = []
 
-    def advance(self, step: Step, out: StepOutput) -> list[Pending]:
+    def advance(
+        self, step: Step, out: StepOutput, held: Collection[int] = frozenset()
+    ) -> list[Pending]:
         """The first half of a step's writeback; returns the rows left for `settle`. Rows
-        of requests no longer running (ended by `finish_late`) are discarded."""
+        of requests no longer running (ended by `finish_late`) are discarded. `held`: the
+        seq_ids of the step in flight (launched ahead of this writeback): a request of it
+        that ends here is finished by `finish_late`, once that step has been waited."""
         pending = []
         for seq, n, token in zip(step.seqs, step.counts, out.sampled):
             if seq.state is not State.RUNNING:
@@ -76,7 +82,7 @@ class Writeback:
                 assert seq.last_token_at is not None
                 p = Pending(seq, token, first, seq.last_token_at - (seq.arrival if first else prev))
                 if reason is not None or seq.out_of_tokens:  # it ends here: nothing deferred
-                    self._settle(p, reason, in_flight=False)
+                    self._settle(p, reason, in_flight=seq.seq_id in held)
                     continue
             self._unsettled[seq.seq_id] = p
             pending.append(p)
@@ -93,9 +99,14 @@ class Writeback:
         """Finish the requests `settle` found done while a step was in flight (call once
         that step has been waited: nothing writes their blocks any more)."""
         late, self._late = self._late, []
-        for seq, token in late:
+        for seq, token, reason in late:
             if seq.state is State.RUNNING:
-                self.finish(seq, "stop", token_ids=self._shown(token))
+                self.finish(seq, reason, token_ids=self._shown(token))
+
+    @property
+    def late(self) -> set[int]:
+        """seq_ids of the requests waiting in `finish_late`."""
+        return {seq.seq_id for seq, _, _ in self._late}
 
     def settle_first(self, seq: Seq) -> bool:
         """Before a request is finished or preempted by anything else: settle its row left
@@ -120,7 +131,7 @@ class Writeback:
             error = f"sampled token {token} is outside the output grammar"
             self.finish(seq, "error", error=error, error_type="internal")
         elif reason and in_flight:
-            self._late.append((seq, token))  # its lease and KV wait for the step in flight
+            self._late.append((seq, token, reason))  # its lease and KV wait for the step in flight
         elif reason:
             self.finish(seq, reason, token_ids=self._shown(token))
         else:

@@ -1,5 +1,7 @@
-"""The overlapped loop on CUDA (the default there): launch returns before the device is done,
-and the engine's results equal the synchronous loop's."""
+"""The overlapped loop on CUDA (the default there: overlap "ahead"): launch returns before the
+device is done, a steady decode batch's next step is launched before the step before it is
+read back (its ids fed on the device, through the CUDA graphs), and the engine's results
+equal the synchronous loop's."""
 
 from __future__ import annotations
 
@@ -38,7 +40,15 @@ def test_launch_then_wait_equals_step(loaded: LoadedModel) -> None:
 
 def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
     e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", overlap=overlap), loaded=loaded)
-    assert e.worker.overlap is (overlap == "on")
+    assert e.worker.overlap is (overlap in ("on", "ahead"))
+    fed = [0]
+    launch = e.runner.launch
+
+    def probe(*args, **kw):  # type: ignore[no-untyped-def]
+        fed[0] += kw.get("feed") is not None
+        return launch(*args, **kw)
+
+    e.runner.launch = probe  # type: ignore[method-assign]
     try:
         streams = [e.submit(r) for r in reqs]
         out = []
@@ -47,6 +57,7 @@ def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
             assert final.error is None, final.error
             out.append((text, ids, final.finish_reason, final.stop_string))
         e.pool.check_integrity()
+        assert (fed[0] > 0) is (overlap == "ahead"), (overlap, fed)
         return out
     finally:
         e.close()
@@ -67,9 +78,21 @@ def test_overlap_on_equals_off_on_cuda(loaded: LoadedModel) -> None:
     stops = [(r[0][6:9],) if i % 2 == 0 and len(r[0]) > 9 else () for i, r in enumerate(free)]
     off = run(loaded, "off", reqs(stops))
     assert run(loaded, "on", reqs(stops)) == off
+    assert run(loaded, "ahead", reqs(stops)) == off
     assert any(r[3] for r in off)  # some did end on a stop string
     e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="eager"), loaded=loaded)
     try:
-        assert e.worker.overlap is True  # auto: on for CUDA
+        assert e.worker.overlap is True and e.worker.ahead is True  # auto: ahead on CUDA
     finally:
         e.close()
+
+
+def test_runner_step_fed_on_the_device_through_graphs(loaded: LoadedModel) -> None:
+    """The runner-level check of tests/unit/test_overlap.py on CUDA, where the decode steps
+    replay CUDA graphs (a 3-row step in the 4-row bucket, then 2 fed rows, reordered) and
+    the readbacks of the two steps in flight use the two pinned buffers."""
+    from tests.unit.test_overlap import (
+        test_runner_step_fed_on_the_device_equals_the_step_from_the_host as fed_equals_host,
+    )
+
+    fed_equals_host(loaded)

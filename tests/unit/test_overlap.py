@@ -1,6 +1,8 @@
 """The overlapped step loop (sched/worker.py, overlap on): a step's writeback is split around
-the next launch, and what users get — tokens, text, finish reasons, usage, sessions — is
-exactly what the synchronous loop gives (demo model, CPU)."""
+the next launch; with overlap "ahead" a steady decode batch's next step is also launched
+before the step before it is read back, its ids fed on the device (sched/ahead.py). What
+users get — tokens, text, finish reasons, usage, sessions — is exactly what the synchronous
+loop gives (demo model, CPU)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,28 @@ def loaded(demo_dir: Path) -> LoadedModel:
     return load_model(str(demo_dir), torch.device("cpu"), torch.float32)
 
 
+MODES = ("off", "on", "ahead")
+
+
 def engine(loaded: LoadedModel, overlap: str, **kw: object) -> Engine:
     kw.setdefault("kv_device_gb", 0.05)
     e = Engine(EngineConfig(overlap=overlap, **kw), loaded=loaded)  # type: ignore[arg-type]
-    assert e.worker.overlap is (overlap == "on")
+    assert e.worker.overlap is (overlap in ("on", "ahead"))
+    assert e.worker.ahead is (overlap == "ahead")
     return e
+
+
+def count_fed(e: Engine) -> list[int]:
+    """Counts the runner launches fed by the step before them (launched ahead)."""
+    fed = [0]
+    launch = e.runner.launch
+
+    def probe(*args, **kw):  # type: ignore[no-untyped-def]
+        fed[0] += kw.get("feed") is not None
+        return launch(*args, **kw)
+
+    e.runner.launch = probe  # type: ignore[method-assign]
+    return fed
 
 
 def prompt(loaded: LoadedModel, i: int) -> str:
@@ -59,16 +78,20 @@ def run_all(e: Engine, reqs: list[Request]) -> list[Result]:
 
 def both(loaded: LoadedModel, turns: list[list[Request]], **kw: object) -> list[list[Result]]:
     """The same turns (each a list of concurrent requests, run one turn after the other) on
-    a synchronous and an overlapped engine; asserts they give the same results."""
+    a synchronous, an overlapped and an ahead engine; asserts they give the same results
+    (and that the ahead one did launch steps ahead)."""
     runs = []
-    for overlap in ("off", "on"):
+    for overlap in MODES:
         e = engine(loaded, overlap, **kw)
+        fed = count_fed(e)
         try:
             runs.append([run_all(e, reqs) for reqs in turns])
             e.pool.check_integrity()
         finally:
             e.close()
+        assert (fed[0] > 0) is (overlap == "ahead"), (overlap, fed)
     assert runs[1] == runs[0]
+    assert runs[2] == runs[0]
     return runs[0]
 
 
@@ -123,7 +146,7 @@ def test_eos_ends_the_same_in_both_loops(loaded: LoadedModel) -> None:
         e.close()
     eos = texts_ids[0][1][6]  # a token the model samples: made an end of sequence below
     runs = []
-    for overlap in ("off", "on"):
+    for overlap in MODES:
         e = engine(loaded, overlap)
         e.scheduler.writeback.eos_ids = frozenset({eos})
         try:
@@ -138,14 +161,14 @@ def test_eos_ends_the_same_in_both_loops(loaded: LoadedModel) -> None:
             )
         finally:
             e.close()
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
     assert runs[0][0][2] == "stop" and len(runs[0][0][1]) <= 6
 
 
 def test_preemption_under_a_tight_kv_budget(loaded: LoadedModel) -> None:
     per_block = loaded.config.kv_bytes_per_token(4) * 16
     results = []
-    for overlap in ("off", "on"):
+    for overlap in MODES:
         e = engine(loaded, overlap, kv_device_gb=20 * per_block / (1 << 30))  # not for both
         preempted: list[int] = []
         e.scheduler.observer.preempted = partial(preempted.append, 1)  # type: ignore[method-assign]
@@ -163,11 +186,12 @@ def test_preemption_under_a_tight_kv_budget(loaded: LoadedModel) -> None:
             e.close()
         assert preempted, "the urgent request had to take the low one's blocks"
         results.append((list(head.token_ids) + low_ids, r_high))
-    assert results[1] == results[0]
+    assert results[1] == results[0] and results[2] == results[0]
 
 
-def test_cancel_mid_stream(loaded: LoadedModel) -> None:
-    e = engine(loaded, "on")
+@pytest.mark.parametrize("overlap", ["on", "ahead"])
+def test_cancel_mid_stream(loaded: LoadedModel, overlap: str) -> None:
+    e = engine(loaded, overlap)
     try:
         other = e.submit(
             Request(session_id="o", prompt_text=prompt(loaded, 2), max_tokens=30, ignore_eos=True)
@@ -197,8 +221,11 @@ def test_cancel_mid_stream(loaded: LoadedModel) -> None:
     assert full == ids
 
 
+@pytest.mark.parametrize("overlap", ["on", "ahead"])
 @pytest.mark.parametrize("at", ["launch", "wait"])
-def test_a_step_that_raises_fails_its_batch_and_rolls_back(loaded: LoadedModel, at: str) -> None:
+def test_a_step_that_raises_fails_its_batch_and_rolls_back(
+    loaded: LoadedModel, at: str, overlap: str
+) -> None:
     reqs = [Request(session_id=f"f{i}", prompt_text=prompt(loaded, i), max_tokens=8)
             for i in range(4)]  # fmt: skip
     ref = engine(loaded, "off")
@@ -206,7 +233,7 @@ def test_a_step_that_raises_fails_its_batch_and_rolls_back(loaded: LoadedModel, 
         reference = run_all(ref, reqs)
     finally:
         ref.close()
-    e = engine(loaded, "on")
+    e = engine(loaded, overlap)
     real = getattr(e.runner, at)
     calls = {"n": 0}
 
@@ -234,52 +261,55 @@ def test_a_step_that_raises_fails_its_batch_and_rolls_back(loaded: LoadedModel, 
     assert [r[:3] for r in again] == [r[:3] for r in reference]
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("overlap", MODES)
 def test_deferred_writeback_runs_after_the_next_launch(loaded: LoadedModel, overlap: str) -> None:
     """The ordering probe: with overlap, step k's settle (text, events, offer) comes after
-    step k+1's launch; without, before it."""
+    step k+1's launch; without, before it. Ahead, a decode step k+1 is launched before step
+    k is waited (the prompt's step is not: what follows it is built from its results)."""
     e = engine(loaded, overlap)
     log: list[str] = []
     lock = threading.Lock()
-    launch, settle = e.runner.launch, e.scheduler.settle
+    launch, wait, settle = e.runner.launch, e.runner.wait, e.scheduler.settle
 
-    def probe_launch(*args, **kw):  # type: ignore[no-untyped-def]
+    def probe(name, real, *args, **kw):  # type: ignore[no-untyped-def]
         with lock:
-            log.append("launch")
-        return launch(*args, **kw)
+            log.append(name)
+        return real(*args, **kw)
 
-    def probe_settle(*args, **kw):  # type: ignore[no-untyped-def]
-        with lock:
-            log.append("settle")
-        return settle(*args, **kw)
-
-    e.runner.launch = probe_launch  # type: ignore[method-assign]
-    e.scheduler.settle = probe_settle  # type: ignore[method-assign]
+    e.runner.launch = partial(probe, "launch", launch)  # type: ignore[method-assign]
+    e.runner.wait = partial(probe, "wait", wait)  # type: ignore[method-assign]
+    e.scheduler.settle = partial(probe, "settle", settle)  # type: ignore[method-assign]
     try:
         [(_, ids, *_)] = run_all(e, [Request(prompt_ids=[5, 6, 7, 8], max_tokens=6,
                                              ignore_eos=True)])  # fmt: skip
     finally:
         e.close()
     assert len(ids) == 6
-    # one request: one launch per token; the last token's settle follows no launch
-    if overlap == "on":
-        assert log[:5] == ["launch", "launch", "settle", "launch", "settle"], log
+    # one request: one launch per token (ahead too: max_tokens is known, no step in vain);
+    # the last token's settle follows no launch
+    assert log.count("launch") == 6, log
+    if overlap == "ahead":
+        assert log[:7] == ["launch", "wait", "launch", "settle", "launch", "wait", "settle"], log
+    elif overlap == "on":
+        assert log[:7] == ["launch", "wait", "launch", "settle", "wait", "launch", "settle"], log
     else:
-        assert log[:4] == ["launch", "settle", "launch", "settle"], log
+        assert log[:6] == ["launch", "wait", "settle", "launch", "wait", "settle"], log
 
 
-def test_no_request_ends_while_a_step_is_in_flight(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("overlap", ["on", "ahead"])
+def test_no_request_ends_while_a_step_is_in_flight(loaded: LoadedModel, overlap: str) -> None:
     """A stop string found while the next step runs ends its request only after that step's
-    sync: no lease is released (no KV freed or moved) under a step that still writes it."""
+    sync: no lease is released (no KV freed or moved) under a step that still writes it.
+    Ahead, the step in flight may hold other requests, never the one that ends."""
     texts = reference_texts(loaded, 6, GREEDY)
     reqs = [Request(session_id=f"l{i}", prompt_text=prompt(loaded, i), max_tokens=24,
                     stop=(t[6:9],)) for i, t in enumerate(texts)]  # fmt: skip
-    e = engine(loaded, "on")
+    e = engine(loaded, overlap)
     in_flight_at_finish: list[bool] = []
     finish = e.scheduler._finish
 
     def probe(seq, reason, **kw):  # type: ignore[no-untyped-def]
-        in_flight_at_finish.append(e.worker.in_flight)
+        in_flight_at_finish.append(seq.seq_id in e.worker.in_flight_seqs())
         return finish(seq, reason, **kw)
 
     e.scheduler._finish = probe  # type: ignore[method-assign]
@@ -310,7 +340,7 @@ def test_overlap_flag_env_and_default(monkeypatch: pytest.MonkeyPatch, loaded: L
     monkeypatch.setenv("DS4POOL_OVERLAP", "off")
     assert serve_config([]).engine.overlap == "off"
     monkeypatch.setenv("DS4POOL_OVERLAP", "maybe")
-    with pytest.raises(Ds4poolError, match="overlap must be one of auto, on, off"):
+    with pytest.raises(Ds4poolError, match="overlap must be one of auto, on, ahead, off"):
         serve_config([])
     e = Engine(EngineConfig(kv_device_gb=0.05), loaded=loaded)  # auto on CPU: off
     try:
@@ -334,3 +364,55 @@ def test_runner_launch_then_wait_is_step(loaded: LoadedModel) -> None:
         runner.launch(seqs)  # one step at a time: they share the input batch and readback
     assert runner.wait(launched).sampled == ref
     assert runner.step(seqs).sampled == ref  # waited: the next launch is fine
+
+
+def test_runner_step_fed_on_the_device_equals_the_step_from_the_host(loaded: LoadedModel) -> None:
+    """A decode step launched before the step it follows is read back, its ids fed from that
+    step's sampled ids (rows reordered and one dropped, a seeded row whose step index counts
+    the fed token), samples what the same step built from the read-back ids samples."""
+    from ds4pool.model.runner import ModelRunner, SeqInput
+
+    seeded = SamplingParams(temperature=0.9, seed=11)
+
+    def rows(ids: list[list[int]], done: list[list[int]]) -> list[SeqInput]:
+        return [
+            SeqInput(token_ids=t, num_computed=n, block_table=[2 * i, 2 * i + 1],
+                     sampling=seeded if i == 2 else GREEDY, seed=7, seq_id=i + 1,
+                     output_token_ids=done[i])
+            for i, (t, n) in enumerate(ids)
+        ]  # fmt: skip
+
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    results = []
+    for ahead in (False, True):
+        runner = ModelRunner(loaded, num_blocks=16)
+        done: list[list[int]] = [[], [], []]
+        out = runner.step(rows([(p, 0) for p in prompts], done)).sampled  # type: ignore[arg-type]
+        for d, tok in zip(done, out):
+            d.append(tok)  # type: ignore[arg-type]
+        step1 = rows([([d[-1]], 4) for d in done], done)  # type: ignore[misc]
+        first = runner.launch(step1)
+        if ahead:  # rows 2 and 0 go on, from step 1's ids on the device, before its readback
+            fed = [
+                SeqInput([0], 5, s.block_table, sampling=s.sampling, seed=7, seq_id=s.seq_id,
+                         output_token_ids=done[j], fed_from=j)
+                for j, s in ((2, step1[2]), (0, step1[0]))
+            ]  # fmt: skip
+            second = runner.launch(fed, feed=first)
+            got1 = runner.wait(first).sampled
+            got2 = runner.wait(second).sampled
+        else:
+            got1 = runner.wait(first).sampled
+            for d, tok in zip(done, got1):
+                d.append(tok)  # type: ignore[arg-type]
+            again = [
+                SeqInput([done[j][-1]], 5, step1[j].block_table, sampling=step1[j].sampling,
+                         seed=7, seq_id=step1[j].seq_id, output_token_ids=done[j])
+                for j in (2, 0)
+            ]  # fmt: skip
+            got2 = runner.step(again).sampled
+        results.append((got1, got2))
+    assert results[1] == results[0]
+    runner = ModelRunner(loaded, num_blocks=16)
+    with pytest.raises(AssertionError, match="feed"):
+        runner.launch([SeqInput([0], 0, [0], fed_from=0)])
