@@ -197,6 +197,13 @@ def main() -> None:
         "or auto (model/moe.py ROUTE_IN_GATE_UP: Qwen3-MoE / Mixtral up to "
         "ROUTE_IN_GATE_UP_MAX_TOKENS tokens)",
     )
+    ap.add_argument(
+        "--launch",
+        default="auto",
+        choices=("auto", "sync", "ahead"),
+        help="decode steps launched after the previous one's readback (sync) or before it, "
+        "their ids fed on the device (ahead); auto: as the server (ahead on CUDA)",
+    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -246,7 +253,7 @@ def main() -> None:
         f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
         f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
         f"per step; experts {impl} (decode route {args.decode_route}), gate {args.gate}, "
-        f"attention {runner.backend.name}, CUDA graphs "
+        f"attention {runner.backend.name}, launch {args.launch}, CUDA graphs "
         f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )
@@ -256,9 +263,10 @@ def main() -> None:
     )
     kv_per_token = cfg.kv_bytes_per_token(dtype.itemsize)
     mean_ctx = args.prompt_len + 2 + args.steps / 2
+    ahead = args.launch == "ahead" or (args.launch == "auto" and device.type == "cuda")
     rows = []
     for b in args.batch:
-        tps = bench_batch(runner, b, args.prompt_len, args.steps)
+        tps = bench_batch(runner, b, args.prompt_len, args.steps, ahead)
         distinct = count_expert_hits(counter, b, args.prompt_len, args.steps)
         rows.append((b, tps, distinct))
         path = expert_impl(device, dtype, args.experts, b * top_k, max_pairs)

@@ -344,7 +344,7 @@ class ModelRunner:
         return StepOutput(sampled=out, logits=launched.logits)
 
     def _decode_logits(
-        self, seqs: Sequence[SeqInput], fed: list[int], feed: Launched | None
+        self, seqs: Sequence[SeqInput], fed: Sequence[int] = (), feed: Launched | None = None
     ) -> torch.Tensor:
         n = len(seqs)
         bucket = self.graphs.bucket_for(n) if self.graphs is not None else None
@@ -357,7 +357,7 @@ class ModelRunner:
         )
         if fed:  # after the load's upload, in stream order: the fed ids overwrite placeholders
             assert feed is not None and feed.device_sampled is not None
-            self.batch.feed(fed, [seqs[i].fed_from for i in fed], feed.device_sampled)
+            self.batch.feed(list(fed), [seqs[i].fed_from for i in fed], feed.device_sampled)
         if bucket is not None:
             assert self.graphs is not None
             if self.graphs.ready(self.graphs.decode_key(bucket, max_ctx)):
