@@ -51,6 +51,9 @@ allocation in their private pool) unless a `DecodeWorkspace` is passed.
 
 Accumulation is fp32 for bf16/fp16 inputs; fp32 inputs use IEEE fp32 dots (no TF32).
 
+`paged_decode(prologue=...)` has the decode kernel do a decode-only step's attention prologue
+too (q/k norm, RoPE, k/v store: triton_prologue.DecodePrologue, one launch fewer a layer).
+
 This module is the API (launch parameters, shape checks, grids); the kernels live in
 `_decode_kernels`, `_prefill_kernels` and `_tiles` (paged tile loads, online-softmax step).
 tests/unit/test_triton_compile.py compiles them for sm_90 on a CPU-only machine and checks
