@@ -82,6 +82,46 @@ def test_decode_with_prologue_compiles_pipelined(
     assert ptx.find("bar.sync") < ptx.find("cp.async"), "cp.async issued before bar.sync"
 
 
+def _norm_reduce_layouts(ttgir: str) -> list[str]:
+    """(shape, layout) of each reduction of the q/k RMSNorm (`inv = ...` in
+    triton_prologue._norm_rope): the layout sets the order of the sum of squares."""
+    import re
+
+    layouts = dict(re.findall(r"^(#[\w]+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    lines, got = ttgir.splitlines(), []
+    for i, line in enumerate(lines):
+        if re.search(r"%inv\w* = \"tt.reduce\"", line):
+            j = next(j for j in range(i, len(lines)) if re.search(r"\}\) : \(tensor", lines[j]))
+            shape, layout = re.search(r"tensor<([\dx]+)xf32, (#\w+)>", lines[j]).groups()
+            got.append(f"{shape} {layouts[layout]}")
+    return sorted(got)
+
+
+@pytest.mark.parametrize("g", [4, 8])
+def test_the_fused_norms_reduce_in_the_prologue_kernels_layouts(g: int) -> None:
+    """Bit for bit with the prologue's launch needs the same sum-of-squares order: every
+    warp count the decode table launches gives the fused q and k norm reductions the
+    layouts the prologue kernel (num_warps 4) gives its q and kv blocks. (Both kernels get
+    the same q/k views, so the JIT specialises their strides alike; the layouts depend on
+    that: unaligned strides give both other ones.)"""
+    from ds4pool.model.kernels import triton_prologue as tp
+
+    pro = triton_compile.compile_sm90(
+        tp._prologue_kernel, dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=32 // g,
+        HAS_NORM=True), 4, 1, pointers=POINTERS, f32_scalars={"eps", "factor"},
+        align_strides=True,
+    )  # fmt: skip
+    want = _norm_reduce_layouts(pro.asm["ttgir"])  # type: ignore[attr-defined]
+    assert len(want) == 4, want  # two halves each of q and k
+    for warps in sorted({launch.num_warps for launch in _decode_table_launches()}):
+        consts = dict(H=32, G=g, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=64,
+                      SHORT=ta.SHORT_CONTEXT, FIXED_P=False, SPLIT=True, USE_WINDOW=False,
+                      PRECISION="tf32", PROLOGUE=True, HAS_NORM=True, HALF=64, HALF_PAD=64,
+                      BLOCK_KV=32 // g)  # fmt: skip
+        kernel = compile_sm90(dk.decode_kernel, consts, warps, 2)
+        assert _norm_reduce_layouts(kernel.asm["ttgir"]) == want, warps  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("fixed_p", [True, False])
 def test_decode_reduce_compiles(fixed_p: bool) -> None:
     consts = dict(H=32, D=128, D_PAD=128, SHORT=0 if fixed_p else ta.SHORT_CONTEXT,
