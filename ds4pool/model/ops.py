@@ -148,10 +148,7 @@ class TritonOps(TorchOps):
         if not _prologue_fusable(q, k, v, cache, q_norm, k_norm):
             return super().attention_prologue(q, k, v, rope, cache, slots, q_norm, k_norm)
         positions, inv_freq, factor = rope
-        qw = kw = None
-        eps = 0.0
-        if q_norm is not None and k_norm is not None:
-            qw, kw, eps = q_norm.weight, k_norm.weight, q_norm.eps
+        qw, kw, eps = _norm_weights(q_norm, k_norm)
         self._prologue.norm_rope_store(
             q, k, v, cache, positions, slots, inv_freq, qw, kw, eps, factor
         )
@@ -183,14 +180,20 @@ class TritonOps(TorchOps):
         ):
             return None
         positions, inv_freq, factor = rope
-        qw = kw = None
-        eps = 0.0
-        if q_norm is not None and k_norm is not None:
-            qw, kw, eps = q_norm.weight, k_norm.weight, q_norm.eps
+        qw, kw, eps = _norm_weights(q_norm, k_norm)
         prologue = self._prologue.DecodePrologue(
             k, v, positions, meta.slot_mapping, inv_freq, qw, kw, eps, factor
         )
         return fused(q, cache, meta, scale, prologue)
+
+
+def _norm_weights(
+    q_norm: RMSNorm | None, k_norm: RMSNorm | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(q weight, k weight, eps) of the prologue kernels' norms; no norm: (None, None, 0)."""
+    if q_norm is not None and k_norm is not None:
+        return q_norm.weight, k_norm.weight, q_norm.eps
+    return None, None, 0.0
 
 
 def _prologue_fusable(
