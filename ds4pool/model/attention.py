@@ -71,7 +71,10 @@ class AttentionBackend(Protocol):
     at `meta.slot_mapping` (unless `kv_stored`: the caller's fused prologue, ops.py, has
     already written them there) and then attends; it never syncs with the host; with
     `supports_cuda_graphs`, a decode-only `forward` over persistent metadata buffers may be
-    captured once per batch shape and replayed with new values in the same buffers."""
+    captured once per batch shape and replayed with new values in the same buffers.
+    A backend may also offer `forward_decode_prologue` (TritonPagedAttention: the attention
+    prologue inside its decode kernel), which TritonOps.decode_attention looks up; the
+    protocol does not require it."""
 
     name: str
     supports_cuda_graphs: bool

@@ -6,13 +6,14 @@ prefix from the blocks in place, split-K over the keys when its live query tiles
 SMs idle (a short chunk or a few decode rows over a long context). K/V are written by slot
 mapping before either kernel runs: by the Llama family's fused attention prologue
 (kernels/triton_prologue.py, with q/k norm and RoPE, through TritonOps), else here (one
-fused kernel for both). Both kernels size their grids
-from tensor shapes only (a captured mixed step fixes the prefill split-K factor in its
-metadata), so decode and mixed steps over persistent buffers can be captured in CUDA graphs
-(ds4pool/model/cuda_graphs.py) and replayed with new values. The decode kernel's launch
-(tile width, warps, stages, short-row pieces) is looked up on the host by (batch, table
-width) in `kernels/triton_decode_configs.DECODE_TABLE`, so a graph keeps the one it was
-captured with.
+fused kernel for both); on a decode-only step, `forward_decode_prologue` has the decode
+kernel do that prologue itself (TritonOps.decode_attention: one launch fewer a layer).
+Both kernels size their grids from tensor shapes only (a captured mixed step fixes the
+prefill split-K factor in its metadata), so decode and mixed steps over persistent
+buffers can be captured in CUDA graphs (ds4pool/model/cuda_graphs.py) and replayed with new
+values. The decode kernel's launch (tile width, warps, stages, short-row pieces) is looked
+up on the host by (batch, table width) in `kernels/triton_decode_configs.DECODE_TABLE`, so
+a graph keeps the one it was captured with.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ds4pool.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels import triton, which a CPU-only install may lack
     from ds4pool.model.kernels.triton_decode_configs import DecodeTable
+    from ds4pool.model.kernels.triton_prologue import DecodePrologue
 
 
 def decode_partition_size(
@@ -90,39 +92,65 @@ class TritonPagedAttention:
     ) -> torch.Tensor:  # [T, H, D]
         if not kv_stored:
             self._store_kv(cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         if meta.decode_only:
-            width = meta.block_tables.shape[1] * meta.block_size
-            launch = self.decode_table.launch(q.shape[0], width)
-            self._k.paged_decode(
-                q,
-                cache[0],
-                cache[1],
-                meta.block_tables,
-                meta.context_lens,
-                scale,
-                out,
-                sliding_window=meta.sliding_window,
-                partition_size=self.partition_size(q.shape[0], k.shape[1], width, launch.block_n),
-                launch=launch,
-                short_context=self._k.SHORT_CONTEXT,
-            )
-        else:
-            assert meta.query_start is not None
-            parts = meta.prefill_partitions or self.prefill_partitions(meta, q.shape[1], k.shape[1])
-            self._k.paged_prefill(
-                q,
-                cache[0],
-                cache[1],
-                meta.block_tables,
-                meta.query_start,
-                meta.context_lens,
-                meta.max_query_len,
-                scale,
-                out,
-                sliding_window=meta.sliding_window,
-                num_partitions=parts,
-            )
+            return self._decode(q, cache, meta, scale)
+        assert meta.query_start is not None
+        out = torch.empty_like(q)
+        parts = meta.prefill_partitions or self.prefill_partitions(meta, q.shape[1], k.shape[1])
+        self._k.paged_prefill(
+            q,
+            cache[0],
+            cache[1],
+            meta.block_tables,
+            meta.query_start,
+            meta.context_lens,
+            meta.max_query_len,
+            scale,
+            out,
+            sliding_window=meta.sliding_window,
+            num_partitions=parts,
+        )
+        return out
+
+    def forward_decode_prologue(
+        self,
+        q: torch.Tensor,  # [B, H, D] the raw q view (before norm and RoPE)
+        cache: torch.Tensor,  # [2, N + 1, bs, H_kv, D] contiguous (KVLayout "kv")
+        meta: AttentionMetadata,  # decode_only
+        scale: float,
+        prologue: DecodePrologue,  # raw k, v; positions, slots, inv_freq, norm weights, ...
+    ) -> torch.Tensor:  # [B, H, D]
+        """`forward` of a decode-only step with the attention prologue done by the decode
+        kernel itself (q/k norm, RoPE, the store of k and v at prologue.slots: one launch
+        fewer than TritonOps.attention_prologue + `forward`; TritonOps.decode_attention)."""
+        assert meta.decode_only
+        return self._decode(q, cache, meta, scale, prologue)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        prologue: DecodePrologue | None = None,
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        width = meta.block_tables.shape[1] * meta.block_size
+        launch = self.decode_table.launch(q.shape[0], width)
+        self._k.paged_decode(
+            q,
+            cache[0],
+            cache[1],
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            out,
+            sliding_window=meta.sliding_window,
+            partition_size=self.partition_size(q.shape[0], cache.shape[-2], width, launch.block_n),
+            launch=launch,
+            short_context=self._k.SHORT_CONTEXT,
+            prologue=prologue,
+        )
         return out
 
     def prefill_partitions(self, meta: AttentionMetadata, heads: int, kv_heads: int) -> int:

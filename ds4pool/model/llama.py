@@ -70,11 +70,16 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        # norms + RoPE, and on the Triton path the KV store too (one launch): kv_stored
-        q, k, stored = ops.attention_prologue(
-            q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
+        # a decode-only Triton step: the prologue inside the decode kernel (one launch)
+        out = ops.decode_attention(
+            self.backend, q, k, v, rope, cache, meta, self.scale, q_norm, k_norm
         )
-        out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
+        if out is None:
+            # norms + RoPE, and on the Triton path the KV store too (one launch): kv_stored
+            q, k, stored = ops.attention_prologue(
+                q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
+            )
+            out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
         return self.o_proj(out.reshape(t, -1))
 
 

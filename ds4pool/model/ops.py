@@ -5,15 +5,21 @@ check against transformers). `TritonOps` runs each group as one fused Triton ker
 (ds4pool/model/kernels/triton_fused.py) on CUDA, where a decode step at small batch is
 bound by the number of kernels rather than by their work. The runner picks one with the
 attention backend; the model passes it down each forward (no global switch).
+
+On a decode-only step `TritonOps.decode_attention` goes one step further than the fused
+prologue: the backend's decode kernel does the prologue itself (one launch a layer fewer;
+DS4POOL_DECODE_PROLOGUE=0 or `decode_prologue = False` turns that off for an A/B run).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
+from ds4pool.model.attention import AttentionBackend, AttentionMetadata
 from ds4pool.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -62,17 +68,38 @@ class TorchOps:
         q, k = self.rotary(q, k, rope)
         return q, k, False
 
+    def decode_attention(
+        self,
+        backend: AttentionBackend,
+        q: torch.Tensor,  # [T, H, D] raw (before norm and RoPE)
+        k: torch.Tensor,  # [T, H_kv, D] raw
+        v: torch.Tensor,  # [T, H_kv, D]
+        rope: Any,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor | None:
+        """attention_prologue + backend.forward in one call where these ops and the backend
+        can fuse them (a decode-only step), else None: the caller runs the two."""
+        return None
+
 
 class TritonOps(TorchOps):
     """Fused kernels; in-place where the reference makes a new tensor nobody else reads."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_prologue: bool | None = None) -> None:
         from ds4pool.model.kernels import triton_fused, triton_prologue
 
         self._k = triton_fused
         self._prologue = triton_prologue
+        # the prologue inside the decode kernel on decode-only steps (decode_attention)
+        if decode_prologue is None:
+            decode_prologue = os.environ.get("DS4POOL_DECODE_PROLOGUE", "1") != "0"
+        self.decode_prologue = decode_prologue
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -118,25 +145,75 @@ class TritonOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         # one launch for norms + RoPE + KV store where the cache is the plain K/V layout;
         # in place: q, k are views of the qkv projection's output, which nothing else reads
-        fusable = (
-            cache.dim() == 5
-            and cache.shape[0] == 2
-            and cache.is_contiguous()
-            and q.stride(2) == k.stride(2) == v.stride(2) == 1
-            # one eps for both norms (both are the config's rms_norm_eps)
-            and (q_norm is None or k_norm is None or q_norm.eps == k_norm.eps)
-        )
-        if not fusable:
+        if not _prologue_fusable(q, k, v, cache, q_norm, k_norm):
             return super().attention_prologue(q, k, v, rope, cache, slots, q_norm, k_norm)
         positions, inv_freq, factor = rope
-        qw = kw = None
-        eps = 0.0
-        if q_norm is not None and k_norm is not None:
-            qw, kw, eps = q_norm.weight, k_norm.weight, q_norm.eps
+        qw, kw, eps = _norm_weights(q_norm, k_norm)
         self._prologue.norm_rope_store(
             q, k, v, cache, positions, slots, inv_freq, qw, kw, eps, factor
         )
         return q, k, True
+
+    def decode_attention(
+        self,
+        backend: AttentionBackend,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Any,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor | None:
+        # where attention_prologue's one launch would run, on a decode-only step of a backend
+        # whose decode kernel can do it (TritonPagedAttention.forward_decode_prologue)
+        fused = getattr(backend, "forward_decode_prologue", None)
+        d = q.shape[-1]
+        if (
+            not self.decode_prologue
+            or fused is None
+            or not meta.decode_only
+            or d & (d - 1)  # the kernel joins two power-of-two halves into its q tile
+            or not _prologue_fusable(q, k, v, cache, q_norm, k_norm)
+        ):
+            return None
+        positions, inv_freq, factor = rope
+        qw, kw, eps = _norm_weights(q_norm, k_norm)
+        prologue = self._prologue.DecodePrologue(
+            k, v, positions, meta.slot_mapping, inv_freq, qw, kw, eps, factor
+        )
+        return fused(q, cache, meta, scale, prologue)
+
+
+def _norm_weights(
+    q_norm: RMSNorm | None, k_norm: RMSNorm | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(q weight, k weight, eps) of the prologue kernels' norms; no norm: (None, None, 0)."""
+    if q_norm is not None and k_norm is not None:
+        return q_norm.weight, k_norm.weight, q_norm.eps
+    return None, None, 0.0
+
+
+def _prologue_fusable(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
+) -> bool:
+    """Whether the fused prologue's kernels (triton_prologue.py) take these: the plain,
+    contiguous K/V layout, head rows of unit stride, one eps for both norms."""
+    return (
+        cache.dim() == 5
+        and cache.shape[0] == 2
+        and cache.is_contiguous()
+        and q.stride(2) == k.stride(2) == v.stride(2) == 1
+        # one eps for both norms (both are the config's rms_norm_eps)
+        and (q_norm is None or k_norm is None or q_norm.eps == k_norm.eps)
+    )
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -28,12 +28,14 @@ pytest.importorskip("triton.backends.compiler")  # the NVIDIA backend, to compil
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 POINTERS = {"tables_ptr": "*i32", "lens_ptr": "*i32", "qstart_ptr": "*i32"}
 POINTERS |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+# the decode kernel's fused prologue (PROLOGUE): positions, slots, inv_freq
+POINTERS |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "inv_ptr": "*fp32"}
 
 
 def compile_sm90(fn: object, consts: dict, num_warps: int, num_stages: int) -> object:
     return triton_compile.compile_sm90(
-        fn, consts, num_warps, num_stages, pointers=POINTERS, f32_scalars={"scale_log2"},
-        align_strides=True,
+        fn, consts, num_warps, num_stages, pointers=POINTERS,
+        f32_scalars={"scale_log2", "eps", "factor"}, align_strides=True,
     )  # fmt: skip
 
 
@@ -52,6 +54,72 @@ def test_decode_compiles_pipelined(split: bool, window: bool, fixed_p: bool) -> 
                   PRECISION="tf32")  # fmt: skip
     kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
+
+
+@pytest.mark.parametrize(
+    "g, split, norm, fixed_p",
+    [(4, True, True, False), (8, False, False, False), (8, True, True, True)],
+)
+def test_decode_with_prologue_compiles_pipelined(
+    g: int, split: bool, norm: bool, fixed_p: bool
+) -> None:
+    """The decode kernel doing the attention prologue (Llama-3-8B's 32 / 8 heads, Qwen3-30B-
+    A3B's 32 / 4): its K/V loads stay pipelined, and the barrier after the k/v store comes
+    before the first of them (the pipeline's prologue loads the first tiles ahead of the
+    loop: they must not be issued before the store is seen)."""
+    launch = ta.DEFAULT_DECODE
+    consts = dict(H=32, G=g, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=launch.block_n,
+                  SHORT=0 if fixed_p else ta.SHORT_CONTEXT, FIXED_P=fixed_p, SPLIT=split,
+                  USE_WINDOW=False, PRECISION="tf32", PROLOGUE=True, HAS_NORM=norm, HALF=64,
+                  HALF_PAD=64, BLOCK_KV=32 // g)  # fmt: skip
+    kernel = compile_sm90(dk.decode_kernel, consts, launch.num_warps, launch.num_stages)
+    ttgir = kernel.asm["ttgir"]  # type: ignore[attr-defined]
+    assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
+    assert kernel.metadata.shared <= H200_SHARED_BYTES, kernel.metadata.shared
+    barrier = ttgir.find("ttg.barrier")
+    assert 0 <= barrier < ttgir.find("async_copy_global_to_local"), "loads before the barrier"
+    ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
+    assert ptx.find("bar.sync") < ptx.find("cp.async"), "cp.async issued before bar.sync"
+
+
+def _norm_reduce_layouts(ttgir: str) -> list[str]:
+    """(shape, layout) of each reduction of the q/k RMSNorm (`inv = ...` in
+    triton_prologue._norm_rope): the layout sets the order of the sum of squares."""
+    import re
+
+    layouts = dict(re.findall(r"^(#[\w]+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    lines, got = ttgir.splitlines(), []
+    for i, line in enumerate(lines):
+        if re.search(r"%inv\w* = \"tt.reduce\"", line):
+            j = next(j for j in range(i, len(lines)) if re.search(r"\}\) : \(tensor", lines[j]))
+            shape, layout = re.search(r"tensor<([\dx]+)xf32, (#\w+)>", lines[j]).groups()
+            got.append(f"{shape} {layouts[layout]}")
+    return sorted(got)
+
+
+@pytest.mark.parametrize("g", [4, 8])
+def test_the_fused_norms_reduce_in_the_prologue_kernels_layouts(g: int) -> None:
+    """Bit for bit with the prologue's launch needs the same sum-of-squares order: every
+    warp count the decode table launches gives the fused q and k norm reductions the
+    layouts the prologue kernel (num_warps 4) gives its q and kv blocks. (Both kernels get
+    the same q/k views, so the JIT specialises their strides alike; the layouts depend on
+    that: unaligned strides give both other ones.)"""
+    from ds4pool.model.kernels import triton_prologue as tp
+
+    pro = triton_compile.compile_sm90(
+        tp._prologue_kernel, dict(D=128, HALF=64, HALF_PAD=64, BLOCK_Q=16, BLOCK_KV=32 // g,
+        HAS_NORM=True), 4, 1, pointers=POINTERS, f32_scalars={"eps", "factor"},
+        align_strides=True,
+    )  # fmt: skip
+    want = _norm_reduce_layouts(pro.asm["ttgir"])  # type: ignore[attr-defined]
+    assert len(want) == 4, want  # two halves each of q and k
+    for warps in sorted({launch.num_warps for launch in _decode_table_launches()}):
+        consts = dict(H=32, G=g, G_PAD=16, D=128, D_PAD=128, BS=16, BLOCK_N=64,
+                      SHORT=ta.SHORT_CONTEXT, FIXED_P=False, SPLIT=True, USE_WINDOW=False,
+                      PRECISION="tf32", PROLOGUE=True, HAS_NORM=True, HALF=64, HALF_PAD=64,
+                      BLOCK_KV=32 // g)  # fmt: skip
+        kernel = compile_sm90(dk.decode_kernel, consts, warps, 2)
+        assert _norm_reduce_layouts(kernel.asm["ttgir"]) == want, warps  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("fixed_p", [True, False])

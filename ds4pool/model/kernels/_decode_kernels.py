@@ -1,4 +1,17 @@
-"""Split-K paged decode: per-partition kernel and log-sum-exp reduce (see triton_attention)."""
+"""Split-K paged decode: per-partition kernel and log-sum-exp reduce (see triton_attention).
+
+With PROLOGUE the decode kernel also does the Llama family's attention prologue
+(kernels/triton_prologue.py) of a decode-only step, saving its launch: each program reads its
+G query heads of token b from the raw q view (the qkv projection's output), normalises (with
+HAS_NORM) and rotates them in registers with the prologue's own @triton.jit helpers, and uses
+them as its q tile (nothing is stored); the program whose partition holds the new token
+(position ctx - 1; program 0 of a padding row, whose slot is the layout's scratch) also
+normalises + rotates k of its kv head and stores k and v at the token's slot, then a
+barrier, so that its own loads of the last tile see them. No other program reads that slot.
+Bits: the same as the prologue followed by the plain kernel (tests/unit/
+test_triton_decode_prologue.py, tests/gpu/test_decode_prologue_cuda.py); head_dim must be a
+power of two (the two rotated halves joined are the q tile's columns in order).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ds4pool.model.kernels._tiles import load_kv_tile, partition_bounds, softmax_step
+from ds4pool.model.kernels.triton_prologue import norm_rope_heads, rope_cos_sin, store_kv_heads
 
 
 # Values that change from step to step or bucket to bucket (table width, partition count and
@@ -36,6 +50,21 @@ def decode_kernel(
     num_parts,
     partition,
     short_len,
+    # the fused prologue's (PROLOGUE; unread without it): q_ptr is then the raw q view,
+    # k_new_ptr / v_new_ptr this step's raw k and v [B, H_kv, D] views
+    k_new_ptr,
+    v_new_ptr,
+    pos_ptr,
+    slot_ptr,
+    inv_ptr,
+    qw_ptr,
+    kw_ptr,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    eps,
+    factor,
     H: tl.constexpr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
@@ -48,6 +77,11 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    PROLOGUE: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False,  # q/k RMSNorm in the prologue (Qwen3)
+    HALF: tl.constexpr = 1,  # D // 2
+    HALF_PAD: tl.constexpr = 1,  # == HALF: D is a power of two
+    BLOCK_KV: tl.constexpr = 1,  # rows of the k head's tile: the prologue kernel's BLOCK_KV
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,6 +98,23 @@ def decode_kernel(
     p_start = base + part * length
     p_end = tl.minimum(p_start + length, ctx)
     first = tl.maximum(p_start, lo)
+    if PROLOGUE:
+        cols = tl.arange(0, HALF_PAD)
+        cmask = cols < HALF
+        rc, rs = rope_cos_sin(pos_ptr, inv_ptr, b, cols, cmask, factor)
+        # the partition of position ctx - 1 stores the token's k, v (program 0 for ctx 0)
+        owner = ((p_start < ctx) & (ctx <= p_start + length)) | ((ctx == 0) & (part == 0))
+        if owner:
+            ky1, ky2, kh, km = norm_rope_heads(
+                k_new_ptr, kw_ptr, b, kv_head, kv_head + 1, stride_knb, stride_knh, cols,
+                cmask, rc, rs, eps, D, HALF, BLOCK_KV, HAS_NORM,
+            )  # fmt: skip
+            store_kv_heads(
+                ky1, ky2, kh, km, v_new_ptr, k_ptr, v_ptr, slot_ptr, b, H // G, stride_vnb,
+                stride_vnh, cols, D, HALF,
+            )  # fmt: skip
+        # the stores are seen by the whole program before its loop loads the last tile
+        tl.debug_barrier()
     if SPLIT:
         # the reduce kernel skips these partitions by the same test; with one partition the
         # program owns the output row and writes zeros for an empty context instead
@@ -75,9 +126,18 @@ def decode_kernel(
     d_mask = d < D
     heads = kv_head * G + g  # [G_PAD]
     row_mask = (g < G)[:, None] & d_mask[None, :]  # [G_PAD, D_PAD]
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0
-    )  # [G_PAD, D_PAD]
+    if PROLOGUE:  # the prologue's q heads, joined [G_PAD, HALF] x 2 -> [G_PAD, D] in order
+        qy1, qy2, _, _ = norm_rope_heads(
+            q_ptr, qw_ptr, b, kv_head * G, kv_head * G + G, stride_qb, stride_qh, cols, cmask,
+            rc, rs, eps, D, HALF, G_PAD, HAS_NORM,
+        )  # fmt: skip
+        q = tl.reshape(tl.permute(tl.join(qy1, qy2), (0, 2, 1)), (G_PAD, D_PAD))
+    else:
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=row_mask,
+            other=0.0,
+        )  # [G_PAD, D_PAD]
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)

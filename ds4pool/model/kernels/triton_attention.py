@@ -51,6 +51,9 @@ allocation in their private pool) unless a `DecodeWorkspace` is passed.
 
 Accumulation is fp32 for bf16/fp16 inputs; fp32 inputs use IEEE fp32 dots (no TF32).
 
+`paged_decode(prologue=...)` has the decode kernel do a decode-only step's attention prologue
+too (q/k norm, RoPE, k/v store: triton_prologue.DecodePrologue, one launch fewer a layer).
+
 This module is the API (launch parameters, shape checks, grids); the kernels live in
 `_decode_kernels`, `_prefill_kernels` and `_tiles` (paged tile loads, online-softmax step).
 tests/unit/test_triton_compile.py compiles them for sm_90 on a CPU-only machine and checks
@@ -67,6 +70,7 @@ import triton
 
 from ds4pool.model.kernels._decode_kernels import decode_kernel, decode_reduce_kernel
 from ds4pool.model.kernels._prefill_kernels import prefill_kernel, prefill_reduce_kernel
+from ds4pool.model.kernels.triton_prologue import DecodePrologue, no_decode_prologue
 
 _LOG2E = 1.4426950408889634
 
@@ -188,8 +192,13 @@ def paged_decode(
     launch: DecodeLaunch = DEFAULT_DECODE,
     workspace: DecodeWorkspace | None = None,
     short_context: int = 0,
+    prologue: DecodePrologue | None = None,
 ) -> None:
     """Attention of one query token per sequence over its paged context (split-K).
+
+    With `prologue` the kernel does the attention prologue too (triton_prologue.py: q/k norm,
+    RoPE, the store of this step's k, v at `prologue.slots`): q is then the raw q view
+    (before norm and RoPE), and the caches must be the dense views of a KVLayout "kv" cache.
 
     `short_context` (partition_size mode): a row of at most that many tokens is one piece
     (or pieces of `launch.short_piece` keys) whatever the table width, so its result does not
@@ -231,6 +240,10 @@ def paged_decode(
     part_lse = workspace.partial_lse if workspace is not None else out
     window = sliding_window or 0
     d_pad = triton.next_power_of_2(d)
+    pro_args, pro_consts = no_decode_prologue(q, context_lens), {}
+    if prologue is not None:
+        assert prologue.k.shape == (batch, h_kv, d), (prologue.k.shape, q.shape)
+        pro_args, pro_consts = prologue.launch_args(k_cache, v_cache)
     decode_kernel[(batch, h_kv, num_parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * _LOG2E, window,
@@ -238,11 +251,11 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_parts, partition_size,
-        short_len or partition_size,
+        short_len or partition_size, *pro_args,
         H=n_heads, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BS=bs,
         BLOCK_N=launch.block_n, SHORT=short, FIXED_P=fixed_p,
         SPLIT=num_parts > 1,
-        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype),
+        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype), **pro_consts,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_parts == 1:

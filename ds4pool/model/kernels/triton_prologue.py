@@ -14,9 +14,16 @@ Numerics are those of the unfused kernels in triton_fused.py, step for step: the
 fp32 cast to the activation dtype before the weight multiply, cos/sin in fp32 from the
 positions (times the yarn attention factor) cast to the activation dtype, as the torch
 reference (model/layers.py) rounds.
+
+On a decode-only step the decode kernel can do this prologue itself (one launch fewer a
+layer): `DecodePrologue` carries these arguments to triton_attention.paged_decode, whose
+kernel reuses the @triton.jit helpers here (rope_cos_sin, norm_rope_heads, store_kv_heads),
+so the two paths cannot round differently.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -45,19 +52,60 @@ def _norm_rope(
 
 
 @triton.jit
+def rope_cos_sin(pos_ptr, inv_ptr, t, cols, cmask, factor):
+    """cos, sin [1, HALF_PAD] fp32 of token t's position (times the attention factor)."""
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    freq = pos * tl.load(inv_ptr + cols, mask=cmask, other=0.0)  # [HALF_PAD] fp32
+    return (tl.cos(freq) * factor)[None, :], (tl.sin(freq) * factor)[None, :]
+
+
+@triton.jit
+def norm_rope_heads(
+    x_ptr, w_ptr, t, first, end, stride_xt, stride_xh, cols, cmask, c, s, eps,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Heads [first, min(first + BLOCK, end)) of token t normed and rotated (nothing stored):
+    (first halves, second halves, heads, mask), [BLOCK, HALF_PAD] each. The decode kernel's
+    fused prologue (kernels/_decode_kernels.py) computes its q tile and k head with this."""
+    heads = first + tl.arange(0, BLOCK)
+    m = (heads < end)[:, None] & cmask[None, :]
+    base = x_ptr + t.to(tl.int64) * stride_xt + heads[:, None] * stride_xh + cols[None, :]
+    y1, y2 = _norm_rope(base, m, cols, cmask, w_ptr, c, s, eps, D, HALF, HAS_NORM)
+    return y1, y2, heads, m
+
+
+@triton.jit
 def _q_block(
     q_ptr, w_ptr, t, first, num_heads, stride_qt, stride_qh, cols, cmask, c, s, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     """Heads [first, first + BLOCK) of token t normed and rotated in place; returns their
     halves, the heads and the mask (the k block stores them into the cache too)."""
-    heads = first + tl.arange(0, BLOCK)
-    m = (heads < num_heads)[:, None] & cmask[None, :]
+    y1, y2, heads, m = norm_rope_heads(
+        q_ptr, w_ptr, t, first, num_heads, stride_qt, stride_qh, cols, cmask, c, s, eps,
+        D, HALF, BLOCK, HAS_NORM,
+    )  # fmt: skip
     base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + cols[None, :]
-    y1, y2 = _norm_rope(base, m, cols, cmask, w_ptr, c, s, eps, D, HALF, HAS_NORM)
     tl.store(base, y1, mask=m)
     tl.store(base + HALF, y2, mask=m)
     return y1, y2, heads, m
+
+
+@triton.jit
+def store_kv_heads(
+    y1, y2, heads, m, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, t, num_kv_heads,
+    stride_vt, stride_vh, cols, D: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """k heads (their rotated halves y1, y2) and the same heads of v, token t, stored at the
+    token's slot of a contiguous [.., H_kv, D] k and v cache (v as it is, cast)."""
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    off = slot * num_kv_heads * D + heads[:, None] * D + cols[None, :]
+    et = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + off, y1.to(et), mask=m)
+    tl.store(k_cache_ptr + off + HALF, y2.to(et), mask=m)
+    vb = v_ptr + t.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + cols[None, :]
+    tl.store(v_cache_ptr + off, tl.load(vb, mask=m).to(et), mask=m)
+    tl.store(v_cache_ptr + off + HALF, tl.load(vb + HALF, mask=m).to(et), mask=m)
 
 
 @triton.jit
@@ -70,14 +118,10 @@ def _kv_block(
         k_ptr, w_ptr, t, first, num_kv_heads, stride_kt, stride_kh, cols, cmask, c, s, eps,
         D, HALF, BLOCK, HAS_NORM,
     )  # fmt: skip
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    dst = cache_ptr + slot * num_kv_heads * D + heads[:, None] * D + cols[None, :]
-    et = cache_ptr.dtype.element_ty
-    tl.store(dst, y1.to(et), mask=m)
-    tl.store(dst + HALF, y2.to(et), mask=m)
-    vb = v_ptr + t.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + cols[None, :]
-    tl.store(dst + half_cache, tl.load(vb, mask=m).to(et), mask=m)
-    tl.store(dst + half_cache + HALF, tl.load(vb + HALF, mask=m).to(et), mask=m)
+    store_kv_heads(
+        y1, y2, heads, m, v_ptr, cache_ptr, cache_ptr + half_cache, slot_ptr, t, num_kv_heads,
+        stride_vt, stride_vh, cols, D, HALF,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -93,10 +137,7 @@ def _prologue_kernel(
     q_blocks = tl.cdiv(num_heads, BLOCK_Q)
     cols = tl.arange(0, HALF_PAD)  # tl.arange needs a power of 2: D/2 = 12 pads to 16
     cmask = cols < HALF
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    freq = pos * tl.load(inv_ptr + cols, mask=cmask, other=0.0)  # [HALF_PAD] fp32
-    c = (tl.cos(freq) * factor)[None, :]
-    s = (tl.sin(freq) * factor)[None, :]
+    c, s = rope_cos_sin(pos_ptr, inv_ptr, t, cols, cmask, factor)
     # a runtime branch: each side is a function of its own, so that no name is assigned
     # tiles of two shapes (q's and kv's blocks differ) in the two branches
     if j < q_blocks:
@@ -143,3 +184,50 @@ def norm_rope_store(
         D=d, HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_Q=block_q,
         BLOCK_KV=block_kv, HAS_NORM=has_norm, num_warps=4,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodePrologue:
+    """The prologue's arguments for the decode kernel that does it itself
+    (triton_attention.paged_decode(prologue=...), kernels/_decode_kernels.py): the q given
+    to paged_decode is then the raw q view, k and v are this step's raw views (one token per
+    sequence), stored by the kernel at `slots`. Arguments as `norm_rope_store`'s."""
+
+    k: torch.Tensor  # [B, H_kv, D], strided rows and heads (views of the qkv output)
+    v: torch.Tensor  # [B, H_kv, D]
+    positions: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B]
+    inv_freq: torch.Tensor  # [D / 2] float32
+    q_weight: torch.Tensor | None = None  # with k_weight: q_norm's and k_norm's weights
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    attention_factor: float = 1.0
+
+    def launch_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, dict]:
+        """(the decode kernel's prologue arguments, its constexprs), checked against the
+        caches ([N, bs, H_kv, D] views of a contiguous KVLayout "kv" cache)."""
+        b, h_kv, d = self.k.shape
+        assert self.v.shape == self.k.shape and d % 2 == 0, (self.k.shape, self.v.shape)
+        assert d & (d - 1) == 0, f"the fused decode prologue needs a power-of-two head_dim: {d}"
+        assert self.k.stride(2) == 1 and self.v.stride(2) == 1
+        assert self.positions.shape == self.slots.shape == (b,), (self.positions.shape, b)
+        dense = (k_cache.shape[1] * h_kv * d, h_kv * d, d, 1)
+        assert k_cache.stride() == v_cache.stride() == dense, (k_cache.stride(), dense)
+        assert (self.q_weight is None) == (self.k_weight is None)
+        qw = self.q_weight if self.q_weight is not None else self.inv_freq  # unread: no norm
+        kw = self.k_weight if self.k_weight is not None else self.inv_freq
+        args = (
+            self.k, self.v, self.positions, self.slots, self.inv_freq, qw, kw,
+            self.k.stride(0), self.k.stride(1), self.v.stride(0), self.v.stride(1),
+            self.eps, self.attention_factor,
+        )  # fmt: skip
+        consts = dict(
+            PROLOGUE=True, HAS_NORM=self.q_weight is not None, HALF=d // 2, HALF_PAD=d // 2,
+            BLOCK_KV=min(16, triton.next_power_of_2(h_kv)),
+        )  # fmt: skip
+        return args, consts
+
+
+def no_decode_prologue(q: torch.Tensor, lens: torch.Tensor) -> tuple:
+    """The decode kernel's prologue arguments where it has none (unread; PROLOGUE off)."""
+    return (q, q, lens, lens, q, q, q, 0, 0, 0, 0, 0.0, 1.0)
