@@ -118,9 +118,10 @@ DECODE_MAX_PAIRS = 512
 ROUTE_IN_GATE_UP = ("softmax_topk", "topk_softmax")
 ROUTE_IN_GATE_UP_MAX_TOKENS = 4
 # The most tokens the routing gate_up may take even when asked to (decode_route_in_gate_up =
-# True): on the H200 (session 22) it stored the route launch's bits at 1, 2, 5 and 16 tokens,
-# and not at 64 (Qwen3-MoE's router with norm_topk_prob; cause not found), so larger steps
-# keep the route launch whatever the setting.
+# True): on the H200 it stored the route launch's bits at 1 to 16 tokens (session 22, ties
+# included) and at 32 and 64 with random logits (session 23; session 22's 64-token failure
+# was its test's tile config running out of shared memory), but 64 with ties never ran, so
+# larger steps keep the route launch whatever the setting.
 ROUTE_IN_GATE_UP_VERIFIED_TOKENS = 16
 # SparseMoeBlock.decode_route_in_gate_up by name (the benchmarks' --route flags)
 DECODE_ROUTES: dict[str, bool | None] = {"auto": None, "gate_up": True, "separate": False}

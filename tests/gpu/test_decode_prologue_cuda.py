@@ -2,13 +2,19 @@
 TritonPagedAttention.forward_decode_prologue → paged_decode(prologue=...)) on the GPU, which
 the CPU interpreter cannot check: compiled, bf16, pipelined K/V loads after the barrier.
 
-- kernel level: bit for bit equal to the prologue's own launch followed by the plain decode
-  kernel (attention output and the whole cache), at Llama-3-8B's (32 / 8 heads, no norms)
-  and Qwen3-30B-A3B's (32 / 4, q/k norms) head shapes, D 128, batch 1, 7 and 64 (a padding
-  row in the batches > 1), contexts about 160 (one piece) and 3000 (split-K), through the
-  backend's own launch choice (decode table, partition sizes);
+- kernel level, against the prologue's own launch followed by the plain decode kernel, at
+  Llama-3-8B's (32 / 8 heads, no norms) and Qwen3-30B-A3B's (32 / 4, q/k norms) head
+  shapes, D 128, batch 1, 7 and 64 (a padding row in the batches > 1), contexts about 160
+  (one piece) and 3000 (split-K), through the backend's own launch choice: the cache
+  (the k and v stored) bit for bit; the attention within one bf16 rounding, and the same
+  bits on a second run. Compiled, the two kernels round the rotated q differently in a few
+  elements (the H200, session 23: 1.2e-4 to 7.8e-3 apart, about one bf16 step of the
+  outputs, while the interpreter gives equal bits), so the attention is not compared bit
+  for bit. The new token's slots hold a stale k (0) and v (100) before the call: a
+  program that loaded its last tile before the new k and v were stored would be off by
+  far more than a rounding;
 - model level: greedy decode through CUDA graphs with the fused path on vs off gives the
-  same tokens (and the same logits), on the demo Llama and a tiny Qwen3-MoE preset.
+  same tokens and logits within bf16 rounding, on the demo Llama and a tiny Qwen3-MoE preset.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ def test_fused_decode_equals_prologue_then_decode_in_bf16(
         meta.context_lens[-1] = 0
         meta.slot_mapping[-1] = blocks * bs  # the scratch block (the last)
     cache = torch.randn(2, blocks + 1, bs, kv_heads, d, device=CUDA, generator=gen).to(dt)
+    flat = cache.view(2, -1, kv_heads, d)  # [2, slots, H_kv, D]
+    flat[0, meta.slot_mapping.long()] = 0.0  # stale k, v where this step's k, v go: a key
+    flat[1, meta.slot_mapping.long()] = 100.0  # of weight ~1 / context, far off if read
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, device=CUDA, generator=gen).to(dt)
 
     def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,15 +81,20 @@ def test_fused_decode_equals_prologue_then_decode_in_bf16(
     q, k, stored = ops.attention_prologue(q, k, v, rope, want_cache, meta.slot_mapping, nq, nk)
     assert stored
     want = backend.forward(q, k, v, want_cache, meta, d**-0.5, kv_stored=True)
-    got_cache, (q, k, v) = cache.clone(), views(qkv.clone())
-    got = ops.decode_attention(backend, q, k, v, rope, got_cache, meta, d**-0.5, nq, nk)
-    torch.cuda.synchronize()
-    assert got is not None, "the fused path did not take this step"
+    runs = []
+    for _ in range(2):
+        got_cache, (q, k, v) = cache.clone(), views(qkv.clone())
+        got = ops.decode_attention(backend, q, k, v, rope, got_cache, meta, d**-0.5, nq, nk)
+        torch.cuda.synchronize()
+        assert got is not None, "the fused path did not take this step"
+        assert torch.equal(got_cache, want_cache), "k/v stores differ"
+        runs.append(got)
+    got = runs[0]
+    assert torch.equal(runs[1], got), "two runs of the fused kernel differ"
     real = meta.context_lens > 0
     assert torch.isfinite(got).all() and (got[~real] == 0).all()
-    assert torch.equal(got_cache, want_cache), "k/v stores differ"
-    diff = (got.float() - want.float()).abs().max().item()
-    assert torch.equal(got, want), f"attention differs from prologue + decode: {diff:.3e}"
+    # one bf16 rounding of the output (8 significant bits), a stale slot read is >> that
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-9)
 
 
 @pytest.fixture(scope="module", params=["demo", "random:qwen3-moe-70m"])
@@ -123,5 +137,5 @@ def test_graphed_greedy_decode_is_the_same_with_the_fused_prologue_on_and_off(
     off_tokens, off_logits = trace(False)
     on_tokens, on_logits = trace(True)
     assert on_tokens == off_tokens
-    worst = max(float((a - b).abs().max()) for a, b in zip(on_logits, off_logits))
-    assert all(torch.equal(a, b) for a, b in zip(on_logits, off_logits)), worst
+    for a, b in zip(on_logits, off_logits):  # the H200: at most 0.0625 apart (session 23)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=0.125)

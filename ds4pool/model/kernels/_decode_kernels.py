@@ -8,9 +8,11 @@ them as its q tile (nothing is stored); the program whose partition holds the ne
 (position ctx - 1; program 0 of a padding row, whose slot is the layout's scratch) also
 normalises + rotates k of its kv head and stores k and v at the token's slot, then a
 barrier, so that its own loads of the last tile see them. No other program reads that slot.
-Bits: the same as the prologue followed by the plain kernel (tests/unit/
-test_triton_decode_prologue.py, tests/gpu/test_decode_prologue_cuda.py); head_dim must be a
-power of two (the two rotated halves joined are the q tile's columns in order).
+Bits: under the interpreter the same as the prologue followed by the plain kernel
+(tests/unit/test_triton_decode_prologue.py); compiled, the cache the same bits and the
+attention within one bf16 rounding (tests/gpu/test_decode_prologue_cuda.py: the two kernels
+round the rotated q differently in a few elements). head_dim must be a power of two (the
+two rotated halves joined are the q tile's columns in order).
 """
 
 from __future__ import annotations
