@@ -15,6 +15,7 @@ from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner, SeqInput
 from ds4pool.model.sampler import SamplingParams
 from ds4pool.sched.request import Request
+from tests.unit.test_overlap import count_fed
 
 pytestmark = pytest.mark.cuda
 
@@ -41,14 +42,7 @@ def test_launch_then_wait_equals_step(loaded: LoadedModel) -> None:
 def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
     e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", overlap=overlap), loaded=loaded)
     assert e.worker.overlap is (overlap in ("on", "ahead"))
-    fed = [0]
-    launch = e.runner.launch
-
-    def probe(*args, **kw):  # type: ignore[no-untyped-def]
-        fed[0] += kw.get("feed") is not None
-        return launch(*args, **kw)
-
-    e.runner.launch = probe  # type: ignore[method-assign]
+    fed = count_fed(e)
     try:
         streams = [e.submit(r) for r in reqs]
         out = []

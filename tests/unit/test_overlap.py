@@ -6,6 +6,7 @@ loop gives (demo model, CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from functools import partial
@@ -416,3 +417,33 @@ def test_runner_step_fed_on_the_device_equals_the_step_from_the_host(loaded: Loa
     runner = ModelRunner(loaded, num_blocks=16)
     with pytest.raises(AssertionError, match="feed"):
         runner.launch([SeqInput([0], 0, [0], fed_from=0)])
+
+
+def test_rows_that_need_their_token_on_the_host_never_go_ahead(loaded: LoadedModel) -> None:
+    """A frequency penalty counts every token generated so far, the one a fed row has not
+    seen yet too: a batch with such a row is never launched ahead, and gives the
+    synchronous loop's tokens (the other rows are greedy, all end together)."""
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=1.5)
+    reqs = [
+        Request(prompt_text=prompt(loaded, i), max_tokens=12, ignore_eos=True,
+                sampling=penalised if i == 1 else GREEDY)
+        for i in range(3)
+    ]  # fmt: skip
+    runs, fed_counts = [], []
+    for overlap in ("off", "ahead"):
+        e = engine(loaded, overlap)
+        fed = count_fed(e)
+        try:
+            runs.append(run_all(e, reqs))
+        finally:
+            e.close()
+        fed_counts.append(fed[0])
+    assert runs[1] == runs[0]
+    assert fed_counts == [0, 0]
+    e = engine(loaded, "ahead")  # without the penalty the same batch does go ahead
+    fed = count_fed(e)
+    try:
+        run_all(e, [dataclasses.replace(r, sampling=GREEDY) for r in reqs])
+    finally:
+        e.close()
+    assert fed[0] > 0
