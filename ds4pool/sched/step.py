@@ -8,6 +8,7 @@ block table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,48 +63,46 @@ class Step:
     def add(self, seq: Seq, n: int, bitmask: torch.Tensor | None) -> None:
         """Appends seq's next n tokens as one row of the batch (it samples when they end its
         pending tokens)."""
-        assert seq.lease is not None
         start = seq.num_computed
+        self._append(
+            seq, start, n, seq.token_slice(start, start + n), start + n == seq.num_tokens, bitmask
+        )
+
+    def add_fed(self, seq: Seq, row: int) -> None:
+        """Appends seq's next decode row in a step built ahead (sched/ahead.py): one position
+        past the step in flight, whose sampled id of `row` the runner feeds it on the device;
+        output_token_ids lacks that fed token (the runner counts it)."""
+        self._append(seq, seq.num_computed + 1, 1, _PLACEHOLDER, True, None, row)
+
+    def _append(
+        self,
+        seq: Seq,
+        start: int,
+        n: int,
+        token_ids: Sequence[int],
+        sample: bool,
+        bitmask: torch.Tensor | None,
+        fed_from: int = -1,
+    ) -> None:
+        assert seq.lease is not None
         table = seq.lease.table()
         self.seqs.append(seq)
         self.counts.append(n)
         self.uncharged.append((seq.tenant, n))
         self.inputs.append(
             SeqInput(
-                token_ids=seq.token_slice(start, start + n),
+                token_ids=token_ids,
                 num_computed=start,
                 block_table=table.block_ids,
                 seq_id=seq.seq_id,
                 table_epoch=table.epoch,
-                sample=start + n == seq.num_tokens,
+                sample=sample,
                 sampling=seq.req.sampling,
                 seed=seq.seed,
                 # the live list, not a copy per row and step: the runner reads it only while
                 # it launches this step, before the writeback appends to it (SeqInput)
                 output_token_ids=seq.output_ids,
                 token_bitmask=bitmask,
-            )
-        )
-
-    def add_fed(self, seq: Seq, row: int) -> None:
-        """Appends seq's next decode row in a step built ahead (sched/ahead.py): one position
-        past the step in flight, whose sampled id of `row` the runner feeds it on the device."""
-        assert seq.lease is not None
-        start = seq.num_computed + 1
-        table = seq.lease.table()
-        self.seqs.append(seq)
-        self.counts.append(1)
-        self.uncharged.append((seq.tenant, 1))
-        self.inputs.append(
-            SeqInput(
-                token_ids=_PLACEHOLDER,
-                num_computed=start,
-                block_table=table.block_ids,
-                seq_id=seq.seq_id,
-                table_epoch=table.epoch,
-                sampling=seq.req.sampling,
-                seed=seq.seed,
-                output_token_ids=seq.output_ids,  # without the fed token: the runner counts it
-                fed_from=row,
+                fed_from=fed_from,
             )
         )
