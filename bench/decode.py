@@ -118,6 +118,24 @@ def prefill_batch(
     return tables, last
 
 
+def decode_rows(
+    pool: BlockPool, tables: list[BlockTable], n: int, last: list[int] | None
+) -> list[SeqInput]:
+    """One greedy decode step's rows at position n, the tables grown as the scheduler grows
+    them; `last` the input ids, or None: each row fed from the step before (fed_from)."""
+    for t in tables:
+        t.ensure(pool, n + 1)
+    if last is None:
+        return [
+            SeqInput([0], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch, fed_from=j)
+            for j, t in enumerate(tables)
+        ]
+    return [
+        SeqInput([tok], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch)
+        for j, (tok, t) in enumerate(zip(last, tables))
+    ]
+
+
 def decode_steps(
     runner: ModelRunner,
     pool: BlockPool,
@@ -137,12 +155,7 @@ def decode_steps(
     n = start
     elapsed = 0.0
     for i in range(steps + warmup):
-        for t in tables:
-            t.ensure(pool, n + 1)  # the scheduler grows tables the same way
-        seqs = [
-            SeqInput([tok], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch)
-            for j, (tok, t) in enumerate(zip(last, tables))
-        ]
+        seqs = decode_rows(pool, tables, n, last)
         t0 = time.perf_counter()
         out = runner.step(seqs)  # ends with the readback of the sampled ids: synced
         if i >= warmup:
@@ -166,20 +179,10 @@ def _decode_steps_ahead(
     prev = None
     t0 = 0.0
     for i in range(steps + warmup):
-        n = start + i
-        for t in tables:
-            t.ensure(pool, n + 1)
+        seqs = decode_rows(pool, tables, start + i, last if prev is None else None)
         if prev is None:
-            seqs = [
-                SeqInput([tok], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch)
-                for j, (tok, t) in enumerate(zip(last, tables))
-            ]
             launched = runner.launch(seqs)
         else:
-            seqs = [
-                SeqInput([0], n, t.blocks, seq_id=j + 1, table_epoch=t.epoch, fed_from=j)
-                for j, t in enumerate(tables)
-            ]
             launched = runner.launch(seqs, feed=prev)
             runner.wait(prev)
         if i == warmup:
