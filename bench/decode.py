@@ -239,6 +239,14 @@ def main() -> None:
         "auto: as the server (ahead on CUDA, sync elsewhere); one run each",
     )
     ap.add_argument(
+        "--skinny",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="CUDA: the decode projections' skinny Triton GEMM where its table has the shape\n"
+        "(on, as the server) or every projection on cuBLAS (off); both: an A/B in one run",
+    )
+    ap.add_argument(
         "--cpu-linear",
         choices=["auto", "onednn", "torch"],
         default="auto",
@@ -273,7 +281,7 @@ def main() -> None:
         f"# {args.model} on {device} ({name}), {str(dtype).removeprefix('torch.')}, "
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
         f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {' '.join(args.blas)}, "
-        f"launch {' '.join(args.launch)}, "
+        f"launch {' '.join(args.launch)}, skinny {' '.join(args.skinny)}, "
         f"linears {linear}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
@@ -290,7 +298,8 @@ def main() -> None:
     launches = [
         ("ahead" if device.type == "cuda" else "sync") if m == "auto" else m for m in args.launch
     ]
-    for backend, blas in [(a, b) for a in args.backend for b in args.blas]:
+    variants = [(a, b, s) for a in args.backend for b in args.blas for s in args.skinny]
+    for backend, blas, skinny in variants:
         if default_blas is not None:  # the library is a process-wide setting: set per run
             torch.backends.cuda.preferred_blas_library(blas_library(blas, device) or default_blas)
         runner = ModelRunner(
@@ -301,7 +310,10 @@ def main() -> None:
             cuda_graphs=not args.no_cuda_graphs,
             max_decode_batch=max(64, max(args.batch)),
         )
+        if skinny == "off" and hasattr(runner.model.ops, "skinny_table"):
+            runner.model.ops.skinny_table = {}
         label = runner.backend.name + ("" if len(args.blas) == 1 else f" / {blas}")
+        label += "" if len(args.skinny) == 1 else f" / skinny {skinny}"
         for launch in launches:
             tag = label + ("" if len(launches) == 1 else f" / {launch}")
             for b in args.batch:

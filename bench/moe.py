@@ -204,6 +204,13 @@ def main() -> None:
         help="decode steps launched after the previous one's readback (sync) or before it, "
         "their ids fed on the device (ahead); auto: as the server (ahead on CUDA)",
     )
+    ap.add_argument(
+        "--skinny",
+        default="on",
+        choices=("on", "off"),
+        help="CUDA: the dense projections' skinny Triton GEMM where its table has the shape "
+        "(on, as the server) or all on cuBLAS (off)",
+    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -242,6 +249,8 @@ def main() -> None:
     runner = ModelRunner(
         loaded, **common, cuda_graphs=not args.no_cuda_graphs, max_decode_batch=max_batch
     )
+    if args.skinny == "off" and hasattr(runner.model.ops, "skinny_table"):
+        runner.model.ops.skinny_table = {}  # before any graph is captured
     counter = ModelRunner(loaded, **common, cuda_graphs=False, max_decode_batch=max_batch)
     bandwidth = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
 
@@ -253,7 +262,7 @@ def main() -> None:
         f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
         f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
         f"per step; experts {impl} (decode route {args.decode_route}), gate {args.gate}, "
-        f"attention {runner.backend.name}, launch {args.launch}, CUDA graphs "
+        f"attention {runner.backend.name}, launch {args.launch}, skinny {args.skinny}, CUDA graphs "
         f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )

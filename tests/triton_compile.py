@@ -23,12 +23,14 @@ def compile_sm90(
     f32_scalars: Collection[str] = (),
     align_strides: bool = False,
     types: Mapping[str, str] | None = None,
+    aligned: Collection[str] = (),
 ) -> Any:
     """fn's parameters typed by name: constexprs from `consts`, `*_ptr` from `pointers` (a
     Triton pointer type, "*bf16" where not named), scalars i32 unless in `f32_scalars`.
     Pointers (and strides, with align_strides) that are specialised get 16-byte divisibility,
     as launches with aligned tensors do. `types` types other parameters by name, e.g. a
-    host tensor descriptor as "tensordesc<bf16[32,128]>"."""
+    host tensor descriptor as "tensordesc<bf16[32,128]>"; `aligned` names more integers that
+    launches pass as multiples of 16 (sizes), specialised as those launches are."""
     from triton import compiler
     from triton.backends.compiler import GPUTarget
 
@@ -43,8 +45,9 @@ def compile_sm90(
             sig[p.name] = pointers.get(p.name, "*bf16")
         else:
             sig[p.name] = "fp32" if p.name in f32_scalars else "i32"
-        aligned = p.name.endswith("_ptr") or (align_strides and p.name.startswith("stride"))
-        if aligned and not p.do_not_specialize:
+        divisible = p.name.endswith("_ptr") or p.name in aligned
+        divisible |= align_strides and p.name.startswith("stride")
+        if divisible and not p.do_not_specialize:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = compiler.ASTSource(fn, sig, consts, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)

@@ -63,7 +63,7 @@ class PagedCausalLM(nn.Module):
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] → [N, V]
-        return self.lm_head(hidden)
+        return self.ops.linear(self.lm_head, hidden)
 
     def set_attention_backend(self, backend: Any, ops: TorchOps) -> None:
         """The runner's choice: the attention backend and the elementwise kernels that go

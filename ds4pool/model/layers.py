@@ -58,12 +58,14 @@ class GatedMLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        """`ops` (ds4pool/model/ops.py) may fuse silu(gate) * up; None: plain torch."""
+        """`ops` (ds4pool/model/ops.py) may fuse silu(gate) * up and pick the projections'
+        kernels; None: plain torch."""
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
         if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
+            gate_up = ops.linear(self.gate_up_proj, x)  # [T, 2I]
+            return ops.linear(self.down_proj, ops.silu_mul(gate_up))
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         if self.qkv_proj is not None:
             qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split((qs, kvs, kvs), dim=-1)
+            q, k, v = ops.linear(self.qkv_proj, x).split((qs, kvs, kvs), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
                 q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
             )
             out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
-        return self.o_proj(out.reshape(t, -1))
+        return ops.linear(self.o_proj, out.reshape(t, -1))
 
 
 class LlamaDecoderLayer(nn.Module):

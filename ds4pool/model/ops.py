@@ -9,17 +9,24 @@ attention backend; the model passes it down each forward (no global switch).
 On a decode-only step `TritonOps.decode_attention` goes one step further than the fused
 prologue: the backend's decode kernel does the prologue itself (one launch a layer fewer;
 DS4POOL_DECODE_PROLOGUE=0 or `decode_prologue = False` turns that off for an A/B run).
+
+`linear` is a projection: the module's own forward (cuBLAS, oneDNN's packed weights on CPU),
+except where `TritonOps` has a skinny-GEMM config for the weight's shape and the step's
+rows (model/kernels/triton_linear_configs.py: measured to beat cuBLASLt on the H200).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata
+from ds4pool.model.kernels import triton_linear_configs as skinny_configs
 from ds4pool.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -28,6 +35,10 @@ class TorchOps:
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
+
+    def linear(self, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] → lin(x) [T, out]."""
+        return lin(x)
 
     def add_rms_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
@@ -100,6 +111,34 @@ class TritonOps(TorchOps):
         if decode_prologue is None:
             decode_prologue = os.environ.get("DS4POOL_DECODE_PROLOGUE", "1") != "0"
         self.decode_prologue = decode_prologue
+        # the projections' skinny-GEMM configs ({}: every projection on cuBLAS)
+        self.skinny_table = _skinny_table(os.environ.get("DS4POOL_SKINNY_TABLE", ""))
+        self._workspaces: dict[torch.device, Any] = {}
+
+    def linear(self, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cfg = self._skinny_config(lin, x)
+        if cfg is None:
+            return lin(x)
+        from ds4pool.model.kernels import triton_linear
+
+        ws = None
+        if cfg.split > 1:
+            ws = self._workspaces.get(x.device)
+            if ws is None:  # made on the first (eager, warm-up) call, before any capture
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    return lin(x)
+                ws = self._workspaces[x.device] = triton_linear.SkinnyWorkspace(x.device)
+        return triton_linear.skinny_linear(x, lin.weight, lin.bias, cfg, ws)
+
+    def _skinny_config(self, lin: nn.Module, x: torch.Tensor) -> Any:
+        if not self.skinny_table or type(lin) is not nn.Linear or x.dim() != 2:
+            return None
+        if x.dtype not in (torch.bfloat16, torch.float16) or lin.weight.dtype != x.dtype:
+            return None  # fp32's tl.dot would be tf32: the reference's precision is cuBLAS's
+        if x.stride(1) != 1 or not lin.weight.is_contiguous():
+            return None
+        n, k = lin.weight.shape
+        return skinny_configs.config_for(n, k, x.shape[0], self.skinny_table)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -185,6 +224,18 @@ class TritonOps(TorchOps):
             k, v, positions, meta.slot_mapping, inv_freq, qw, kw, eps, factor
         )
         return fused(q, cache, meta, scale, prologue)
+
+
+def _skinny_table(setting: str) -> Any:
+    """The skinny-GEMM table: the measured one on the GPU it was measured on, a sweep's JSON
+    (DS4POOL_SKINNY_TABLE=<file>), or none ("0"; and on any other GPU)."""
+    if setting == "0":
+        return {}
+    if setting:
+        return skinny_configs.table_from_json(Path(setting))
+    if not torch.cuda.is_available() or torch.cuda.get_device_name() != skinny_configs.TABLE_DEVICE:
+        return {}
+    return skinny_configs.SKINNY_TABLE
 
 
 def _norm_weights(

@@ -1,0 +1,232 @@
+"""The skinny decode GEMM (model/kernels/triton_linear.py) and its table
+(triton_linear_configs.py): the kernel under Triton's CPU interpreter against F.linear for
+every kind of launch (tl.dot tiles, the GEMV of one and of a few rows, split-K with its
+arrival counters, balanced programs), TritonOps.linear's choice of kernel, the table's
+lookup and JSON; and the table's launches compiled for sm_90 (pipelined, no spills).
+
+The interpreter cases run in one child process (this file as a script) that prints a JSON
+line each, as in test_triton_moe_gate.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds4pool.model.kernels.triton_linear_configs import (
+    MAX_ROWS,
+    SKINNY_TABLE,
+    SkinnyConfig,
+    bucket,
+    config_for,
+    sweep_configs,
+    sweep_schedules,
+    table_from_json,
+    table_to_json,
+)
+from tests.interpreter import interpreter_results, print_cases
+
+# case → (rows, K, N, dtype, bias): ragged N and K (masked tiles), one row, a full bucket
+SHAPES: dict[str, tuple[int, int, int, str, bool]] = {
+    "one_row": (1, 256, 96, "float32", True),
+    "ragged": (3, 200, 40, "float32", False),
+    "sixteen_rows": (16, 512, 64, "float32", True),
+    "four_rows_fp16": (4, 300, 50, "float16", True),  # (the interpreter's bf16 dot is wrong)
+}
+CONFIGS = {
+    "dot": SkinnyConfig(16, 64),
+    "dot_split3": SkinnyConfig(16, 64, split=3),
+    "dot_wide_split2": SkinnyConfig(32, 128, split=2),
+    "dot_balanced": SkinnyConfig(16, 64, waves=1),
+    "gemv": SkinnyConfig(8, 64, dot=False),
+    "gemv_split2": SkinnyConfig(8, 64, split=2, dot=False),
+    "gemv_balanced": SkinnyConfig(4, 64, dot=False, waves=2),
+}
+KERNEL_CASES = [
+    f"{shape}:{cfg}"
+    for shape, (rows, *_rest) in SHAPES.items()
+    for cfg, c in CONFIGS.items()
+    if c.dot or rows <= 4
+]
+OPS_CASES = ["ops_table", "ops_fallbacks"]
+
+
+def _kernel_case(name: str) -> dict[str, Any]:
+    import torch
+    from torch.nn import functional as F
+
+    from ds4pool.model.kernels.triton_linear import SkinnyWorkspace, skinny_linear
+
+    shape, cfg_name = name.split(":")
+    rows, k, n, dtype_name, has_bias = SHAPES[shape]
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(len(name))
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if has_bias else None
+    ws = SkinnyWorkspace(torch.device("cpu"), 64)
+    cfg = CONFIGS[cfg_name]
+    got = skinny_linear(x, w, b, cfg, ws)
+    again = skinny_linear(x, w, b, cfg, ws)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    return {
+        "name": name,
+        "shape": list(got.shape),
+        "dtype": str(got.dtype),
+        "err": float((got.float() - want).abs().max() / want.abs().max()),
+        "tolerance": 1e-5 if dtype == torch.float32 else 1e-2,
+        "run_to_run_equal": bool(torch.equal(got, again)),
+        "counters_zero": int(ws.counters.abs().sum()) == 0,
+    }
+
+
+def _ops_case(name: str) -> dict[str, Any]:
+    import tempfile
+
+    import torch
+    from torch import nn
+
+    from ds4pool.model.kernels.triton_linear import SkinnyWorkspace, skinny_linear
+    from ds4pool.model.ops import TritonOps
+
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(96, 48, bias=True)
+    cfg = SkinnyConfig(16, 32, split=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.json"
+        path.write_text(table_to_json({(48, 96): ((1, cfg), (16, cfg))}))
+        os.environ["DS4POOL_SKINNY_TABLE"] = str(path)
+        ops = TritonOps()
+    if name == "ops_table":
+        lin = lin.to(torch.float16)
+        out = {}
+        for rows in (1, 9):
+            x = torch.randn(rows, 96, generator=g).to(torch.float16)
+            direct = skinny_linear(x, lin.weight, lin.bias, cfg, SkinnyWorkspace(x.device, 8))
+            out[f"rows{rows}_skinny"] = bool(torch.equal(ops.linear(lin, x), direct))
+        return {"name": name, **out}
+    # fp32 (tl.dot would be tf32), a bucket the table has no row for, more than 16 rows
+    x32 = torch.randn(2, 96, generator=g)
+    bf = lin.to(torch.float16)
+    x4 = torch.randn(3, 96, generator=g).to(torch.float16)
+    x17 = torch.randn(MAX_ROWS + 1, 96, generator=g).to(torch.float16)
+    lin32 = nn.Linear(96, 48)
+    return {
+        "name": name,
+        "fp32_is_module": bool(torch.equal(ops.linear(lin32, x32), lin32(x32))),
+        "unlisted_bucket_is_module": bool(torch.equal(ops.linear(bf, x4), bf(x4))),
+        "many_rows_is_module": bool(torch.equal(ops.linear(bf, x17), bf(x17))),
+    }
+
+
+def run_case(name: str) -> dict[str, Any]:
+    return _ops_case(name) if name in OPS_CASES else _kernel_case(name)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[str, Any]]:
+    return interpreter_results(__file__, timeout=300)
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_the_kernel_equals_f_linear(results: dict[str, dict[str, Any]], name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    rows, _k, n, dtype, _b = SHAPES[name.split(":")[0]]
+    assert r["shape"] == [rows, n] and r["dtype"] == f"torch.{dtype}"
+    assert r["err"] <= r["tolerance"], r
+    assert r["run_to_run_equal"], "split-K's last strip adds the partials in a fixed order"
+    assert r["counters_zero"], "every call leaves the arrival counters at zero"
+
+
+def test_triton_ops_takes_the_table_config(results: dict[str, dict[str, Any]]) -> None:
+    r = results["ops_table"]
+    assert "error" not in r, r.get("error")
+    assert r["rows1_skinny"] and r["rows9_skinny"], r
+
+
+def test_triton_ops_falls_back_to_the_module(results: dict[str, dict[str, Any]]) -> None:
+    r = results["ops_fallbacks"]
+    assert "error" not in r, r.get("error")
+    assert r["fp32_is_module"] and r["unlisted_bucket_is_module"] and r["many_rows_is_module"], r
+
+
+def test_buckets_and_lookup() -> None:
+    assert [bucket(r) for r in (1, 2, 4, 5, 16)] == [1, 4, 4, 16, 16]
+    with pytest.raises(ValueError):
+        bucket(MAX_ROWS + 1)
+    a, c = SkinnyConfig(2, 1024, dot=False, stages=1), SkinnyConfig(32, 256)
+    table = {(6144, 4096): ((1, a), (16, c))}
+    assert config_for(6144, 4096, 1, table) == a
+    assert config_for(6144, 4096, 3, table) is None  # no 4-row row: cuBLAS, not a neighbour's
+    assert config_for(6144, 4096, 9, table) == c
+    assert config_for(6144, 4096, 17, table) is None
+    assert config_for(4096, 6144, 1, table) is None  # (N, K), not (K, N)
+
+
+def test_table_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(table_to_json(SKINNY_TABLE))
+    assert table_from_json(path) == SKINNY_TABLE
+    assert all(isinstance(r["n"], int) for r in json.loads(path.read_text()))
+
+
+def test_config_validation() -> None:
+    for bad in (
+        dict(block_n=8, block_k=64),  # dot tiles need 16 columns
+        dict(block_n=24, block_k=64, dot=False),
+        dict(block_n=16, block_k=64, split=0),
+        dict(block_n=16, block_k=64, split=2, waves=2),  # balanced programs do not split
+    ):
+        with pytest.raises(ValueError):
+            SkinnyConfig(**bad)
+
+
+def test_sweep_candidates_are_valid_and_gemv_only_for_few_rows() -> None:
+    for rows in (1, 4, 16):
+        cands = sweep_configs(rows)
+        assert len(set(cands)) == len(cands)
+        assert any(not c.dot for c in cands) == (rows <= 4)
+        for c in cands[:3]:
+            assert all(isinstance(s, SkinnyConfig) for s in sweep_schedules(c))
+
+
+needs_compiler = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs triton, compiled mode",
+)
+
+
+@needs_compiler
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.parametrize("key", sorted(SKINNY_TABLE))
+def test_the_table_compiles_for_sm90_pipelined_without_spills(key: tuple[int, int]) -> None:
+    pytest.importorskip("triton.backends.compiler")
+    from ds4pool.model.kernels.triton_linear import _skinny_kernel
+    from tests import triton_compile
+
+    for rows, cfg in SKINNY_TABLE[key]:
+        consts = dict(
+            BLOCK_M=MAX_ROWS if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT=cfg.split, USE_DOT=cfg.dot, HAS_BIAS=False, BALANCED=cfg.waves > 0,
+        )  # fmt: skip
+        kernel = triton_compile.compile_sm90(
+            _skinny_kernel, consts, cfg.warps, cfg.stages,
+            pointers={"part_ptr": "*fp32", "cnt_ptr": "*i32"}, align_strides=True,
+            aligned={"n", "k", "k_chunk"},
+        )  # fmt: skip
+        if cfg.dot:  # Triton pipelines a dot loop's loads (cp.async), not the GEMV's
+            assert "cp.async" in kernel.asm["ptx"], (key, rows, cfg)
+        usage = triton_compile.resource_usage(kernel.asm["cubin"])
+        if usage is not None:
+            assert usage.get("LOCAL", 0) == 0, (key, rows, cfg, usage)
+        assert kernel.metadata.shared <= 227 * 1024
+
+
+if __name__ == "__main__":
+    print_cases(KERNEL_CASES + OPS_CASES, run_case)
