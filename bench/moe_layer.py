@@ -41,6 +41,7 @@ from ds4pool.model.kernels.triton_moe_configs import (  # noqa: E402
     DEFAULT,
     SWEEP_GEMV_TOKENS,
     DecodeConfig,
+    sweep_gemv_shapes,
     sweep_schedules,
     sweep_shapes,
 )
@@ -87,6 +88,8 @@ def sweep(
             for tiles in sweep_shapes()
             for g in gemvs
         ]
+        if (True in gemvs and proj == "gate_up") or (proj == "down" and base.gemv):
+            shapes += [replace(base, **{proj: tiles}, gemv=True) for tiles in sweep_gemv_shapes()]
         finalists = sorted(shapes, key=us)[:SWEEP_FINALISTS]
         tried = [
             replace(f, **{proj: tiles})

@@ -11,6 +11,7 @@ from ds4pool.model.kernels.triton_moe_configs import (
     DecodeConfig,
     ProjTiles,
     config_for,
+    sweep_gemv_shapes,
     sweep_schedules,
     sweep_shapes,
 )
@@ -29,7 +30,7 @@ def test_a_step_takes_the_first_row_that_covers_it() -> None:
     "kwargs",
     [
         {"block_n": 24},
-        {"block_n": 8},
+        {"block_n": 6},
         {"block_n": 32, "block_k": 100},
         {"block_n": 16, "split_k": 0},
     ],
@@ -37,6 +38,16 @@ def test_a_step_takes_the_first_row_that_covers_it() -> None:
 def test_tiles_the_kernels_cannot_take_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         ProjTiles(**kwargs)
+
+
+def test_narrow_tiles_only_for_gemv() -> None:
+    narrow = ProjTiles(4, 1024)
+    assert DecodeConfig(narrow, narrow, gemv=True).gate_up.block_n == 4
+    for gemv in (None, False):  # tl.dot tiles (a step past GEMV_MAX_TOKENS) need 16 columns
+        with pytest.raises(ValueError):
+            DecodeConfig(narrow, ProjTiles(32), gemv=gemv)
+    gemv_shapes = sweep_gemv_shapes()
+    assert all(s.block_n < 16 for s in gemv_shapes) and len(set(gemv_shapes)) == len(gemv_shapes)
 
 
 def test_the_sweep_tries_each_shape_and_its_schedules() -> None:

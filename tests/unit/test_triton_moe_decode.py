@@ -67,7 +67,9 @@ def _config_cases() -> list[str]:
     # wider than the row (the zero fill past K) and one taller than the intermediate size
     tma = ["config_t1_n16_k64_s2_tma", "config_t1_n64_k256_s1_tma", "config_t5_n32_k128_s1_tma",
            "config_t5_n128_k64_s4_tma"]  # fmt: skip
-    return plain + tma
+    # GEMV-only tiles (narrower than tl.dot's 16 columns; one token): whole and split strips
+    narrow = ["config_t1_n4_k512_s1", "config_t1_n2_k1024_s2", "config_t1_n8_k64_s4"]
+    return plain + tma + narrow
 
 
 def _config_case(name: str) -> dict[str, Any]:
@@ -94,7 +96,7 @@ def _config_case(name: str) -> dict[str, Any]:
         block.impl = "loop"
         truth = block.double()(x.double())
         block.impl = "decode"
-        block.decode_config = DecodeConfig(tiles, tiles)
+        block.decode_config = DecodeConfig(tiles, tiles, gemv=True if tiles.block_n < 16 else None)
         block.decode_gemv_tokens = 1  # one token by GEMV, more by dot tiles
         got = block.float()(x.float()).double()
     return {"name": name, "rel": float((got - truth).abs().max() / truth.abs().max())}

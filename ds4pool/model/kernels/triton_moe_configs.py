@@ -34,10 +34,11 @@ class ProjTiles:
     tma: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
+        # (GEMV tiles may be narrower than 16 columns: DecodeConfig checks the dot ones)
+        for name, least in (("block_n", 1), ("block_k", 16)):
             value = getattr(self, name)
-            if value is not None and (value < 16 or value & (value - 1)):
-                raise ValueError(f"{name} must be a power of two >= 16, not {value}")
+            if value is not None and (value < least or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two >= {least}, not {value}")
         if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {self}")
 
@@ -49,6 +50,10 @@ class DecodeConfig:
     # GEMV tiles (broadcast products, one row a token) instead of tl.dot's 16-row tiles;
     # None: by the kernels' GEMV_MAX_TOKENS (or the caller's gemv_max_tokens)
     gemv: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.gemv and min(self.gate_up.block_n, self.down.block_n) < 16:
+            raise ValueError(f"tl.dot tiles need block_n >= 16 (only GEMV tiles less): {self}")
 
 
 # The configuration before any sweep (the H200's numbers in docs/BENCHMARKS.md were measured
@@ -88,6 +93,10 @@ SWEEP_SPLIT_K = (1, 2, 4)
 SWEEP_WARPS = (2, 4, 8)
 SWEEP_STAGES = (2, 3, 4)
 SWEEP_GEMV_TOKENS = 2
+# GEMV-only tile shapes, tried where GEMV is (few columns a program, long K strips: the
+# shapes that win for the dense projections' GEMV, triton_linear_configs.py)
+SWEEP_GEMV_BLOCK_N = (2, 4, 8)
+SWEEP_GEMV_BLOCK_K = (512, 1024)
 # the second round tries each schedule with pointer loads and with TMA boxes (the first
 # round's shapes are ranked with pointer loads: which shapes keep the SMs busy does not
 # hinge on how a program fetches its tile)
@@ -99,6 +108,14 @@ def sweep_shapes() -> list[ProjTiles]:
     return [
         ProjTiles(n, k, s)
         for n, k, s in itertools.product(SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_SPLIT_K)
+    ]
+
+
+def sweep_gemv_shapes() -> list[ProjTiles]:
+    """More first-round shapes for GEMV configs (too narrow for tl.dot)."""
+    return [
+        ProjTiles(n, k, s)
+        for n, k, s in itertools.product(SWEEP_GEMV_BLOCK_N, SWEEP_GEMV_BLOCK_K, SWEEP_SPLIT_K[:2])
     ]
 
 
