@@ -66,7 +66,9 @@ DEFAULT = DecodeConfig(ProjTiles(16), ProjTiles(32))
 # The H200 (2026-12-01, bench/moe_layer.py --sweep --tokens 1 2 4 8, Qwen3-30B-A3B shapes,
 # bf16; µs a layer, best vs DEFAULT): 35.8 vs 38.3, 51.4 vs 58.3, 83.2 vs 93.4, 134.6 vs 149.2.
 DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
-    (1, DecodeConfig(ProjTiles(32, 128, 1, 4, 4), ProjTiles(64, 128, 1, 2, 4))),
+    # one token: GEMV tiles since 2026-12-02 (products accumulated along K, summed once:
+    # bench/moe_layer.py --sweep --tokens 1, 34.2 µs vs 37.2 for DEFAULT in that run)
+    (1, DecodeConfig(ProjTiles(16, 256, 1, 4, 3), ProjTiles(32, None, 1, 4, 3), gemv=True)),
     (2, DecodeConfig(ProjTiles(32, 128, 1, 4, 3), ProjTiles(64, 64, 1, 4, 3))),
     (4, DecodeConfig(ProjTiles(64, 128, 1, 4, 2), ProjTiles(64, 128, 1, 2, 2))),
     (8, DecodeConfig(ProjTiles(32, 128, 1, 2, 3), ProjTiles(64, 128, 1, 2, 3))),
