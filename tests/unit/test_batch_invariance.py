@@ -85,7 +85,10 @@ def test_prefill_chunk_mixed_with_decodes_equals_separate_runs(runner: ModelRunn
 
 def test_packed_cpu_linears_make_decode_rows_bitwise_batch_invariant() -> None:
     """With oneDNN's packed weights a decode row's logits are the same bits alone as inside
-    a batch of eight (MKL's F.linear changes its blocking with the row count)."""
+    a batch of eight (MKL's F.linear changes its blocking with the row count). The rows'
+    contexts are of one length: ragged ones are padded to the decode group's longest, which
+    changes the fused CPU attention kernel's tiling and so its rounding (attention_cpu.py
+    promises no more than that; on an AVX-512 Xeon it shows, on the EPYC it did not)."""
     from ds4pool.model.cpu_linear import PackedLinear, pack_cpu_linears, select_cpu_linear
 
     cpu = torch.device("cpu")
@@ -96,7 +99,7 @@ def test_packed_cpu_linears_make_decode_rows_bitwise_batch_invariant() -> None:
     assert pack_cpu_linears(runner.model, "onednn", cpu, torch.float32) == "onednn"
     assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
     pool = BlockPool(runner.num_blocks)
-    prompts = [ids(n, seed=40 + n) for n in (3, 9, 14, 21, 26, 30, 37, 45)]
+    prompts = [ids(29, seed=40 + i) for i in range(8)]
     tables = [BlockTable(BLOCK) for _ in prompts]
     for p, t in zip(prompts, tables):
         run(runner, pool, [(p, 0, t)])
