@@ -11,8 +11,9 @@ over replays with CUDA events (bench/moe_gate.graph_us): µs a call and the weig
 over it in TB/s, next to the device's copy bandwidth. `--sweep` times the candidates of
 triton_linear_configs.sweep_configs (tile shapes first, then warps x stages for the best
 two), prints the winner of each (shape, rows) against cuBLAS, and `--emit` writes the
-winners that beat cuBLAS by more than `--margin` as a table that `DS4POOL_SKINNY_TABLE`
-loads (and rows ready to paste into SKINNY_TABLE). Checks every timed config against
+winners that beat cuBLAS by more than `--margin` into SKINNY_TABLE (the shapes and buckets it
+timed replaced, the others kept) as a table that `DS4POOL_SKINNY_TABLE` loads, and prints
+the timed shapes' rows ready to paste. Checks every timed config against
 cuBLAS's result first (bf16: within 2e-2 relative of the row's largest value).
 """
 
@@ -96,7 +97,9 @@ def checked(case: Case, cfg: SkinnyConfig, ws: SkinnyWorkspace) -> bool:
     return True
 
 
-def sweep_one(case: Case, ws: SkinnyWorkspace, replays: int) -> tuple[SkinnyConfig, float]:
+def sweep_one(
+    case: Case, ws: SkinnyWorkspace, replays: int, kinds: tuple[str, ...] = ("gemv", "dot")
+) -> tuple[SkinnyConfig, float]:
     timed: dict[SkinnyConfig, float] = {}
 
     def us(cfg: SkinnyConfig) -> float:
@@ -104,12 +107,26 @@ def sweep_one(case: Case, ws: SkinnyWorkspace, replays: int) -> tuple[SkinnyConf
             timed[cfg] = case.us(triton_fn(cfg, ws), replays) if checked(case, cfg, ws) else 1e9
         return timed[cfg]
 
-    first = sorted(sweep_configs(case.rows), key=us)
+    candidates = [c for c in sweep_configs(case.rows) if ("dot" if c.dot else "gemv") in kinds]
+    first = sorted(candidates, key=us)
     for cfg in first[:2]:
         for sched in sweep_schedules(cfg):
             us(sched)
     best = min(timed, key=timed.__getitem__)
     return best, timed[best]
+
+
+def merged(table: Table, swept: dict[tuple[int, int, int], SkinnyConfig | None]) -> Table:
+    """The table with each timed (shape, bucket) set to its winner, or removed where cuBLAS
+    won: what `--emit` writes, so that a sweep of a few shapes keeps the others' rows."""
+    out = {key: dict(entries) for key, entries in table.items()}
+    for (n, k, rows), cfg in swept.items():
+        row = out.setdefault((n, k), {})
+        if cfg is None:
+            row.pop(rows, None)
+        else:
+            row[rows] = cfg
+    return {key: tuple(sorted(v.items())) for key, v in out.items() if v}
 
 
 def main() -> int:
@@ -120,6 +137,13 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--blas", default="auto")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["gemv", "dot"],
+        choices=["gemv", "dot"],
+        help="--sweep: which candidates (fewer compiles)",
+    )
     ap.add_argument("--emit", type=Path, help="write the sweep's winners as a JSON table")
     ap.add_argument("--margin", type=float, default=0.02, help="emit winners faster by this")
     args = ap.parse_args()
@@ -139,14 +163,14 @@ def main() -> int:
         "| shape (K → N) | rows | cuBLAS µs (TB/s) | Triton µs (TB/s) | Triton / cuBLAS | config |"
     )
     print("|---|---:|---:|---:|---:|---|")
-    won: dict[tuple[int, int], list[tuple[int, SkinnyConfig]]] = {}
+    swept: dict[tuple[int, int, int], SkinnyConfig | None] = {}  # (N, K, rows) → winner
     for name in args.shapes:
         k, n = SHAPES[name]
         for rows in args.rows:
             case = Case(k, n, rows, args.min_mb, torch.bfloat16)
             blas = case.us(lambda x, w: x @ w.T, args.replays)
             if args.sweep:
-                cfg, us = sweep_one(case, ws, args.replays)
+                cfg, us = sweep_one(case, ws, args.replays, tuple(args.kinds))
             else:
                 found = config_for(n, k, rows, SKINNY_TABLE)
                 cfg, us = found, (case.us(triton_fn(found, ws), args.replays) if found else 0.0)
@@ -157,14 +181,13 @@ def main() -> int:
                 f"{ratio} | {cfg.label() if cfg else 'cuBLAS (not in the table)'} |",
                 flush=True,
             )
-            if cfg is not None and us * (1 + args.margin) < blas:
-                won.setdefault((n, k), []).append((rows, cfg))
+            swept[(n, k, rows)] = cfg if cfg is not None and us * (1 + args.margin) < blas else None
             del case
             torch.cuda.empty_cache()
-    table: Table = {key: tuple(v) for key, v in won.items()}
-    print("\n# SKINNY_TABLE rows (winners by more than the margin):")
-    for (n, k), entries in table.items():
-        print(f"    ({n}, {k}): {entries!r},")
+    table = merged(SKINNY_TABLE, swept)
+    print("\n# SKINNY_TABLE rows of the timed shapes (winners by more than the margin):")
+    for n, k in sorted({(n, k) for n, k, _ in swept}):
+        print(f"    ({n}, {k}): {table.get((n, k), ())!r},")
     if args.emit is not None:
         args.emit.write_text(table_to_json(table))
         print(f"# wrote {args.emit}", file=sys.stderr)

@@ -143,6 +143,8 @@ SWEEP_SPLIT = (1, 2, 4)
 SWEEP_DOT_WAVES = (2, 4)
 SWEEP_GEMV_N = (2, 4, 8, 16)
 SWEEP_GEMV_K = (256, 512, 1024)
+# one row: also long strips (more 16-byte loads in flight a thread), few columns a program
+SWEEP_GEMV_LONG = ((1, 2048), (2, 2048), (4, 2048), (1, 4096), (2, 4096))
 SWEEP_GEMV_WAVES = (2, 4, 8)
 SWEEP_SCHEDULES = ((4, 3), (4, 6), (8, 4), (2, 4))  # dot: (warps, stages)
 SWEEP_GEMV_WARPS = (2, 4, 8, 16)  # its loads are not pipelined: stages do not matter
@@ -168,6 +170,11 @@ def sweep_configs(rows: int) -> list[SkinnyConfig]:
             SkinnyConfig(n, k, 1, False, 4, 1, waves=w)
             for n, k, w in itertools.product(SWEEP_GEMV_N[:3], gemv_k, SWEEP_GEMV_WAVES)
         ]
+        if rows == 1:
+            shapes += [
+                SkinnyConfig(n, k, s, False, w, 1)
+                for (n, k), s, w in itertools.product(SWEEP_GEMV_LONG, (1, 2), (4, 8))
+            ]
     return shapes
 
 
