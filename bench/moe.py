@@ -53,14 +53,9 @@ from bench.profile_decode import kernel_table  # noqa: E402
 from ds4pool.kv.blocks import BlockPool  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.device import select_device, select_dtype  # noqa: E402
+from ds4pool.model.experts import DECODE_MAX_PAIRS, EXPERT_IMPLS, expert_impl  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
-from ds4pool.model.moe import (  # noqa: E402
-    DECODE_MAX_PAIRS,
-    DECODE_ROUTES,
-    EXPERT_IMPLS,
-    SparseMoeBlock,
-    expert_impl,
-)
+from ds4pool.model.moe import DECODE_ROUTES, SparseMoeBlock  # noqa: E402
 from ds4pool.model.runner import ModelRunner  # noqa: E402
 
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from ds4pool.model.attention import AttentionMetadata
 from ds4pool.model.config import ModelConfig
-from ds4pool.model.moe import SYNC_FREE, SparseMoeBlock, expert_impl
+from ds4pool.model.experts import SYNC_FREE, expert_impl
+from ds4pool.model.moe import SparseMoeBlock
 from ds4pool.model.ops import TorchOps
 
 
@@ -54,7 +55,7 @@ class PagedCausalLM(nn.Module):
     @property
     def supports_cuda_graphs(self) -> bool:
         """Whether a step's forward may be captured: dense models always; MoE models where the
-        experts run on a sync-free grouped path (model/moe.py), not the per-expert loop."""
+        experts run on a sync-free grouped path (model/experts.py), not the per-expert loop."""
         weight = self.model.embed_tokens.weight
         return all(
             expert_impl(weight.device, weight.dtype, m.impl) in SYNC_FREE

@@ -14,16 +14,16 @@ import torch
 from ds4pool.kv.blocks import BlockPool, BlockTable
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo import init_random_
-from ds4pool.model.loader import LoadedModel, build_empty
-from ds4pool.model.moe import (
+from ds4pool.model.experts import (
     DECODE_MAX_PAIRS,
-    SparseMoeBlock,
     expert_impl,
     experts_forward,
     grouped_experts,
     grouped_mm_supported,
     looped_experts,
 )
+from ds4pool.model.loader import LoadedModel, build_empty
+from ds4pool.model.moe import SparseMoeBlock
 from ds4pool.model.routers import route_softmax_topk
 from ds4pool.model.runner import ModelRunner, SeqInput
 

@@ -11,12 +11,7 @@ import torch
 
 from ds4pool.errors import ModelLoadError
 from ds4pool.model.config import ARCHITECTURES, ModelConfig, MoEConfig
-from ds4pool.model.moe import (
-    DECODE_MAX_PAIRS,
-    expert_impl,
-    grouped_experts,
-    looped_experts,
-)
+from ds4pool.model.experts import DECODE_MAX_PAIRS, expert_impl, grouped_experts, looped_experts
 from ds4pool.model.registry import REGISTRY, WeightTarget, family_for
 from ds4pool.model.routers import (
     route,

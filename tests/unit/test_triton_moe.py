@@ -26,8 +26,8 @@ CASES: dict[str, tuple[int, int, int, int, int, str]] = {
 def _run_case(name: str) -> dict:
     import torch
 
+    from ds4pool.model.experts import grouped_experts, looped_experts
     from ds4pool.model.kernels.triton_moe import tile_table
-    from ds4pool.model.moe import grouped_experts, looped_experts
     from ds4pool.model.routers import route_softmax_topk
 
     tokens, e, k, h, i, dtype = CASES[name]
