@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ds4pool.errors import DeviceError
 from ds4pool.model.attention import AttentionBackend, AttentionMetadata
 from ds4pool.model.kernels import triton_linear_configs as skinny_configs
 from ds4pool.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
@@ -232,7 +233,11 @@ def _skinny_table(setting: str) -> Any:
     if setting == "0":
         return {}
     if setting:
-        return skinny_configs.table_from_json(Path(setting))
+        try:
+            return skinny_configs.table_from_json(Path(setting))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            msg = f"DS4POOL_SKINNY_TABLE={setting}: not a skinny-GEMM table ({exc})"
+            raise DeviceError(msg) from None
     if not torch.cuda.is_available() or torch.cuda.get_device_name() != skinny_configs.TABLE_DEVICE:
         return {}
     return skinny_configs.SKINNY_TABLE

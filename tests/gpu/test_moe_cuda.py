@@ -101,6 +101,7 @@ def test_every_swept_decode_config_compiles_and_matches_the_loop(tokens: int) ->
         DEFAULT,
         SWEEP_GEMV_TOKENS,
         DecodeConfig,
+        sweep_gemv_shapes,
         sweep_schedules,
         sweep_shapes,
     )
@@ -118,8 +119,8 @@ def test_every_swept_decode_config_compiles_and_matches_the_loop(tokens: int) ->
     configs = [
         c for t in tiles for c in (DecodeConfig(t, DEFAULT.down), DecodeConfig(DEFAULT.gate_up, t))
     ]
-    if tokens <= SWEEP_GEMV_TOKENS:  # the sweep tries GEMV tiles there too
-        configs += [DecodeConfig(t, t, gemv=True) for t in shapes]
+    if tokens <= SWEEP_GEMV_TOKENS:  # the sweep tries GEMV tiles there too, narrow ones too
+        configs += [DecodeConfig(t, t, gemv=True) for t in shapes + sweep_gemv_shapes()]
     bad = {}
     for config in sorted(configs, key=repr):
         try:

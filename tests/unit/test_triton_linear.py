@@ -176,6 +176,21 @@ def test_table_json_round_trip(tmp_path: Path) -> None:
     assert all(isinstance(r["n"], int) for r in json.loads(path.read_text()))
 
 
+def test_a_bad_table_file_is_one_line_error(tmp_path: Path) -> None:
+    from ds4pool.errors import DeviceError
+    from ds4pool.model.ops import _skinny_table
+
+    bad = tmp_path / "bad.json"
+    odd_block = '[{"n": 8, "k": 8, "rows": 1, "block_n": 3, "block_k": 8}]'
+    for text in ("not json", '[{"n": 1}]', odd_block):
+        bad.write_text(text)
+        with pytest.raises(DeviceError, match="DS4POOL_SKINNY_TABLE"):
+            _skinny_table(str(bad))
+    with pytest.raises(DeviceError, match="not a skinny-GEMM table"):
+        _skinny_table(str(tmp_path / "missing.json"))
+    assert _skinny_table("0") == {}
+
+
 def test_config_validation() -> None:
     for bad in (
         dict(block_n=8, block_k=64),  # dot tiles need 16 columns
