@@ -229,6 +229,7 @@ def test_the_table_compiles_for_sm90_pipelined_without_spills(key: tuple[int, in
         consts = dict(
             BLOCK_M=MAX_ROWS if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SPLIT=cfg.split, USE_DOT=cfg.dot, HAS_BIAS=False, BALANCED=cfg.waves > 0,
+            PRECISION="tf32",
         )  # fmt: skip
         kernel = triton_compile.compile_sm90(
             _skinny_kernel, consts, cfg.warps, cfg.stages,

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._proj_tiles import acc_add, acc_sum, acc_zeros
 from ds4pool.model.kernels.triton_linear_configs import MAX_GEMV_ROWS, MAX_ROWS, SkinnyConfig
 
 
@@ -45,13 +46,11 @@ class SkinnyWorkspace:
 def _column_block(
     x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """x [rows] @ W[cols].T over the K strip [k_lo, k_lo + k_chunk): [BLOCK_M, BLOCK_N] f32."""
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    if USE_DOT or BLOCK_M > 1:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT)
     for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
@@ -61,27 +60,16 @@ def _column_block(
             other=0.0,
             eviction_policy="evict_first",
         )
-        if USE_DOT:
+        if BLOCK_M == 1 and not USE_DOT:  # the one row (as measured for the table)
+            a = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        else:
             a = tl.load(
                 x_ptr + rows[:, None] * stride_x + ks[None, :],
                 mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            acc += tl.dot(a, tl.trans(w))
-        elif BLOCK_M > 1:  # a few rows: broadcast products, summed along K every tile
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            prod = a[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
-            acc += tl.sum(prod, axis=2)
-        else:  # one row: products summed along K at the end
-            a = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-            wide += w.to(tl.float32) * a.to(tl.float32)[None, :]
-    if not USE_DOT and BLOCK_M == 1:
-        acc = tl.sum(wide, axis=1)[None, :]  # [1, BLOCK_N]
-    return acc
+        acc = acc_add(acc, a, w, BLOCK_M, USE_DOT, PRECISION)
+    return acc_sum(acc, BLOCK_M, USE_DOT)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -90,6 +78,7 @@ def _skinny_kernel(
     stride_x, stride_w, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, BALANCED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -105,7 +94,7 @@ def _skinny_kernel(
             col_ok = cols < hi
             acc = _column_block(
                 x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x,
-                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION,
             )  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -116,7 +105,7 @@ def _skinny_kernel(
         col_ok = cols < n
         acc = _column_block(
             x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION,
         )  # fmt: skip
         out_mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * stride_y + cols[None, :]
@@ -177,6 +166,7 @@ def skinny_linear(
         x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         USE_DOT=cfg.dot, HAS_BIAS=bias is not None, BALANCED=cfg.waves > 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return y

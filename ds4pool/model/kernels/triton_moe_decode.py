@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._proj_tiles import acc_add, acc_sum, acc_zeros
 from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
 from ds4pool.model.kernels.triton_moe_route import (
@@ -92,45 +93,6 @@ def _widen(v, ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _rows_times_w(a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """a [BLOCK_T, BLOCK_K] x w [BLOCK_N, BLOCK_K] → [BLOCK_T, BLOCK_N] float32."""
-    if USE_DOT:
-        return tl.dot(a, tl.trans(w), input_precision=PRECISION)
-    return tl.sum(a[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-
-
-@triton.jit
-def _acc_zeros(BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_DOT: tl.constexpr):  # fmt: skip
-    """A projection's float32 accumulator: [BLOCK_T, BLOCK_N]; for the GEMV of one row the
-    products themselves, [BLOCK_N, BLOCK_K], summed along K once after the loop (_acc_sum)
-    instead of a reduction across threads every tile (triton_linear.py's GEMV does the same)."""
-    # (one return: the compiler types every return statement, taken or not)
-    if USE_DOT or BLOCK_T > 1:
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def _acc_add(acc, a, w, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    if USE_DOT or BLOCK_T > 1:
-        acc = acc + _rows_times_w(a, w, USE_DOT, PRECISION)
-    else:
-        acc = acc + w.to(tl.float32) * a.to(tl.float32)  # a [1, BLOCK_K] over the tile's rows
-    return acc
-
-
-@triton.jit
-def _acc_sum(acc, BLOCK_T: tl.constexpr, USE_DOT: tl.constexpr):
-    """The accumulator as [BLOCK_T, BLOCK_N] sums."""
-    if not USE_DOT and BLOCK_T == 1:
-        acc = tl.sum(acc, axis=1)[None, :]
-    return acc
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, w_desc, ids_ptr, groups_ptr, h_ptr, part_ptr, t, hidden, inter, k_chunk,
     stride_x, stride_we, stride_wn, stride_h, stride_ps, stride_pr,
@@ -163,8 +125,8 @@ def _gate_up_kernel(
     col_ok = cols < inter
     gate = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn
     up = gate + inter * stride_wn
-    acc_g = _acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
-    acc_u = _acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
+    acc_g = acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
+    acc_u = acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
     split = tl.program_id(2)  # this program's strip [split·k_chunk, (split + 1)·k_chunk) of H
     k_lo = split * k_chunk
     for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
@@ -183,10 +145,10 @@ def _gate_up_kernel(
             w_mask = col_ok[:, None] & k_ok[None, :]
             w_g = tl.load(gate + ks[None, :], mask=w_mask, other=0.0)
             w_u = tl.load(up + ks[None, :], mask=w_mask, other=0.0)
-        acc_g = _acc_add(acc_g, a, w_g, BLOCK_T, USE_DOT, PRECISION)
-        acc_u = _acc_add(acc_u, a, w_u, BLOCK_T, USE_DOT, PRECISION)
-    acc_g = _acc_sum(acc_g, BLOCK_T, USE_DOT)
-    acc_u = _acc_sum(acc_u, BLOCK_T, USE_DOT)
+        acc_g = acc_add(acc_g, a, w_g, BLOCK_T, USE_DOT, PRECISION)
+        acc_u = acc_add(acc_u, a, w_u, BLOCK_T, USE_DOT, PRECISION)
+    acc_g = acc_sum(acc_g, BLOCK_T, USE_DOT)
+    acc_u = acc_sum(acc_u, BLOCK_T, USE_DOT)
     keep = mine[:, None] & col_ok[None, :]
     if SPLIT > 1:  # float32 partial sums [S, R, 2I]: the down kernel adds them and activates
         part = part_ptr + split * stride_ps + pair[:, None].to(tl.int64) * stride_pr + cols[None, :]
@@ -223,7 +185,7 @@ def _down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # of H
     col_ok = cols < hidden
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn
-    acc = _acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
+    acc = acc_zeros(BLOCK_T, BLOCK_N, BLOCK_K, USE_DOT)
     split = tl.program_id(2)
     k_lo = split * k_chunk
     for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
@@ -249,8 +211,8 @@ def _down_kernel(
             w = w_desc.load([(expert * hidden + tl.program_id(1) * BLOCK_N).to(tl.int32), k0])
         else:
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _acc_add(acc, a, w, BLOCK_T, USE_DOT, PRECISION)
-    acc = _acc_sum(acc, BLOCK_T, USE_DOT)
+        acc = acc_add(acc, a, w, BLOCK_T, USE_DOT, PRECISION)
+    acc = acc_sum(acc, BLOCK_T, USE_DOT)
     keep = mine[:, None] & col_ok[None, :]
     if SPLIT > 1:  # float32 partials [S, R, H], summed by the combine
         out = ypart_ptr + split * stride_ys + pair[:, None].to(tl.int64) * stride_yr + cols[None, :]
