@@ -241,10 +241,12 @@ def main() -> None:
     ap.add_argument(
         "--skinny",
         nargs="+",
-        choices=["on", "off"],
+        choices=["on", "unfused", "off"],
         default=["on"],
         help="CUDA: the decode projections' skinny Triton GEMM where its table has the shape\n"
-        "(on, as the server) or every projection on cuBLAS (off); both: an A/B in one run",
+        "(on, as the server), the same without its fusions (unfused: silu·mul and the\n"
+        "add + norm in launches of their own), or every projection on cuBLAS (off);\n"
+        "several: an A/B in one run",
     )
     ap.add_argument(
         "--cpu-linear",
@@ -312,6 +314,8 @@ def main() -> None:
         )
         if skinny == "off" and hasattr(runner.model.ops, "skinny_table"):
             runner.model.ops.skinny_table = {}
+        if skinny == "unfused" and hasattr(runner.model.ops, "fuse_act"):
+            runner.model.ops.fuse_act = runner.model.ops.fuse_add_norm = False
         label = runner.backend.name + ("" if len(args.blas) == 1 else f" / {blas}")
         label += "" if len(args.skinny) == 1 else f" / skinny {skinny}"
         for launch in launches:

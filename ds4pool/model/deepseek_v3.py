@@ -49,7 +49,10 @@ class DeepseekV3DecoderLayer(nn.Module):
         """(next_norm(residual'), residual'), as LlamaDecoderLayer."""
         a = self.self_attn(h, rope, cache, meta, ops)
         residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
-        residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
+        if isinstance(self.mlp, GatedMLP):  # the dense layers: down, add and norm as one op
+            residual, h = self.mlp.add_norm(h, residual, next_norm, ops)
+        else:
+            residual, h = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
         return h, residual
 
 

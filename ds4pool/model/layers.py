@@ -64,10 +64,20 @@ class GatedMLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if ops is not None:
             gate_up = ops.linear(self.gate_up_proj, x)  # [T, 2I]
-            return ops.linear(self.down_proj, ops.silu_mul(gate_up))
+            return ops.linear(self.down_proj, gate_up, act=True)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual', norm(residual')) with residual' = residual + self(x): the down
+        projection, the add and the norm as one op (one launch where ops fuse them)."""
+        if self.gate_up_proj is None:
+            return ops.add_rms_norm(norm, self(x, ops), residual)
+        gate_up = ops.linear(self.gate_up_proj, x)
+        return ops.linear_add_rms_norm(self.down_proj, gate_up, norm, residual, act=True)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

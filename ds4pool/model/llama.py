@@ -60,6 +60,17 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         ops: TorchOps,
     ) -> torch.Tensor:
+        return ops.linear(self.o_proj, self.attend(x, rope, cache, meta, ops))
+
+    def attend(
+        self,
+        x: torch.Tensor,  # [T, E]
+        rope: Any,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: TorchOps,
+    ) -> torch.Tensor:
+        """The attention's output before o_proj, [T, H * D]."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -80,7 +91,7 @@ class LlamaAttention(nn.Module):
                 q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
             )
             out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
-        return ops.linear(self.o_proj, out.reshape(t, -1))
+        return out.reshape(t, -1)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,21 +117,24 @@ class LlamaDecoderLayer(nn.Module):
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(next_norm(residual'), residual') where residual' is the stream after this layer:
-        each residual add is fused with the norm that reads it (a sparse MLP's, on the
-        Triton decode path, with the experts' combine too: SparseMoeBlock.add_norm; and the
-        add + norm before it with the router's linear: SparseMoeBlock.decode_layer)."""
+        each residual add is fused with the norm that reads it, and on the Triton path with
+        the projection before it where the skinny GEMM runs that (o_proj and down:
+        ops.linear_add_rms_norm); a sparse MLP's, on the Triton decode path, with the
+        experts' combine too (SparseMoeBlock.add_norm), and the add + norm before it with
+        the router's linear (SparseMoeBlock.decode_layer)."""
+        if not isinstance(self.mlp, SparseMoeBlock):
+            a = self.self_attn.attend(h, rope, cache, meta, ops)
+            post = self.post_attention_layernorm
+            residual, h = ops.linear_add_rms_norm(self.self_attn.o_proj, a, post, residual)
+            residual, h = self.mlp.add_norm(h, residual, next_norm, ops)
+            return h, residual
         a = self.self_attn(h, rope, cache, meta, ops)
-        if isinstance(self.mlp, SparseMoeBlock):
-            whole = self.mlp.decode_layer(
-                a, residual, self.post_attention_layernorm, next_norm, ops
-            )
-            if whole is not None:
-                residual, h = whole
-                return h, residual
+        whole = self.mlp.decode_layer(a, residual, self.post_attention_layernorm, next_norm, ops)
+        if whole is not None:
+            residual, h = whole
+            return h, residual
         residual, h = ops.add_rms_norm(self.post_attention_layernorm, a, residual)
-        fused = None
-        if isinstance(self.mlp, SparseMoeBlock):
-            fused = self.mlp.add_norm(h, residual, next_norm, ops)
+        fused = self.mlp.add_norm(h, residual, next_norm, ops)
         if fused is None:
             fused = ops.add_rms_norm(next_norm, self.mlp(h, ops), residual)
         residual, h = fused

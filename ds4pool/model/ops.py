@@ -37,9 +37,10 @@ class TorchOps:
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
-    def linear(self, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] → lin(x) [T, out]."""
-        return lin(x)
+    def linear(self, lin: nn.Module, x: torch.Tensor, act: bool = False) -> torch.Tensor:
+        """x [T, in] → lin(x) [T, out]; with `act`, x is a gate_up output [T, 2 in] and the
+        projection's input is silu(gate) * up."""
+        return lin(self.silu_mul(x) if act else x)
 
     def add_rms_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
@@ -47,6 +48,18 @@ class TorchOps:
         """(residual + x, norm(residual + x))."""
         h = residual + x
         return h, norm(h)
+
+    def linear_add_rms_norm(
+        self,
+        lin: nn.Module,
+        x: torch.Tensor,
+        norm: RMSNorm,
+        residual: torch.Tensor,
+        act: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm(norm, linear(lin, x, act), residual): a projection whose output joins
+        the residual stream, and the norm that reads the stream next."""
+        return self.add_rms_norm(norm, self.linear(lin, x, act), residual)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return rotary(positions, dtype)  # cos, sin [T, 1, D]
@@ -104,9 +117,10 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, decode_prologue: bool | None = None) -> None:
-        from ds4pool.model.kernels import triton_fused, triton_prologue
+        from ds4pool.model.kernels import triton_fused, triton_linear, triton_prologue
 
         self._k = triton_fused
+        self._kl = triton_linear
         self._prologue = triton_prologue
         # the prologue inside the decode kernel on decode-only steps (decode_attention)
         if decode_prologue is None:
@@ -115,31 +129,56 @@ class TritonOps(TorchOps):
         # the projections' skinny-GEMM configs ({}: every projection on cuBLAS)
         self.skinny_table = _skinny_table(os.environ.get("DS4POOL_SKINNY_TABLE", ""))
         self._workspaces: dict[torch.device, Any] = {}
+        # the skinny GEMM's fusions (DS4POOL_SKINNY_FUSE=0: neither, for an A/B run): the
+        # down projection's silu·mul prologue, the add + norm epilogue of o_proj and down
+        fuse = os.environ.get("DS4POOL_SKINNY_FUSE", "1") != "0"
+        self.fuse_act = self.fuse_add_norm = fuse
 
-    def linear(self, lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        cfg = self._skinny_config(lin, x)
-        if cfg is None:
-            return lin(x)
-        from ds4pool.model.kernels import triton_linear
+    def linear(self, lin: nn.Module, x: torch.Tensor, act: bool = False) -> torch.Tensor:
+        launch = self._skinny(lin, x, act, epilogue=False)
+        if launch is None:
+            return super().linear(lin, x, act)
+        cfg, ws = launch
+        return self._kl.skinny_linear(x, lin.weight, lin.bias, cfg, ws, act=act)
 
-        ws = None
-        if cfg.split > 1:
-            ws = self._workspaces.get(x.device)
-            if ws is None:  # made on the first (eager, warm-up) call, before any capture
-                if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                    return lin(x)
-                ws = self._workspaces[x.device] = triton_linear.SkinnyWorkspace(x.device)
-        return triton_linear.skinny_linear(x, lin.weight, lin.bias, cfg, ws)
+    def linear_add_rms_norm(
+        self,
+        lin: nn.Module,
+        x: torch.Tensor,
+        norm: RMSNorm,
+        residual: torch.Tensor,
+        act: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the add + norm inside the skinny GEMM's launch (its last program), where it runs
+        launch = self._skinny(lin, x, act, epilogue=True) if self.fuse_add_norm else None
+        if launch is None or residual.stride(-1) != 1:
+            return super().linear_add_rms_norm(lin, x, norm, residual, act)
+        cfg, ws = launch
+        add_norm = self._kl.AddNorm(residual, norm.weight, norm.eps)
+        h = self._kl.skinny_linear(x, lin.weight, lin.bias, cfg, ws, act=act, add_norm=add_norm)
+        return residual, h
 
-    def _skinny_config(self, lin: nn.Module, x: torch.Tensor) -> Any:
+    def _skinny(self, lin: nn.Module, x: torch.Tensor, act: bool, epilogue: bool) -> Any:
+        """(config, workspace) of the skinny GEMM for lin(x) (with `epilogue`: and the add +
+        norm after it), or None: the caller runs the module (and the norm) as before."""
         if not self.skinny_table or type(lin) is not nn.Linear or x.dim() != 2:
             return None
         if x.dtype not in (torch.bfloat16, torch.float16) or lin.weight.dtype != x.dtype:
             return None  # fp32's tl.dot would be tf32: the reference's precision is cuBLAS's
-        if x.stride(1) != 1 or not lin.weight.is_contiguous():
+        if x.stride(1) != 1 or not lin.weight.is_contiguous() or (act and not self.fuse_act):
             return None
         n, k = lin.weight.shape
-        return skinny_configs.config_for(n, k, x.shape[0], self.skinny_table)
+        cfg = skinny_configs.config_for(n, k, x.shape[0], self.skinny_table)
+        if cfg is None:
+            return None
+        ws = None
+        if cfg.split > 1 or epilogue:
+            ws = self._workspaces.get(x.device)
+            if ws is None:  # made on the first (eager, warm-up) call, before any capture
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    return None
+                ws = self._workspaces[x.device] = self._kl.SkinnyWorkspace(x.device)
+        return cfg, ws
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -11,6 +11,7 @@ line each, as in test_triton_moe_gate.py.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 from pathlib import Path
@@ -53,7 +54,16 @@ KERNEL_CASES = [
     for cfg, c in CONFIGS.items()
     if c.dot or rows <= 4
 ]
-OPS_CASES = ["ops_table", "ops_fallbacks"]
+OPS_CASES = ["ops_table", "ops_fallbacks", "ops_fused"]
+# the fusions (silu·mul prologue, add + norm epilogue) on every kind of launch; "wide" has
+# more columns than the epilogue's NORM_BLOCK (its squares summed in pieces)
+FUSED_SHAPES = {**SHAPES, "wide": (2, 64, 1100, "float16", False)}
+FUSED_CASES = [
+    f"fused:{shape}:{cfg}"
+    for shape in ("one_row", "four_rows_fp16", "wide")
+    for cfg, c in CONFIGS.items()
+    if c.dot or FUSED_SHAPES[shape][0] <= 4
+]
 
 
 def _kernel_case(name: str) -> dict[str, Any]:
@@ -85,6 +95,45 @@ def _kernel_case(name: str) -> dict[str, Any]:
     }
 
 
+def _fused_case(name: str) -> dict[str, Any]:
+    import torch
+
+    from ds4pool.model.kernels import triton_fused
+    from ds4pool.model.kernels.triton_linear import AddNorm, SkinnyWorkspace, skinny_linear
+
+    _, shape, cfg_name = name.split(":")
+    rows, k, n, dtype_name, has_bias = FUSED_SHAPES[shape]
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(len(name))
+    gate_up = torch.randn(rows, 2 * k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if has_bias else None
+    residual = torch.randn(rows, n, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    ws = SkinnyWorkspace(torch.device("cpu"), 256)
+    cfg = CONFIGS[cfg_name]
+    # unfused: the silu·mul kernel, the projection, the add + norm kernel
+    y = skinny_linear(triton_fused.silu_mul(gate_up), w, b, cfg, ws)
+    want_res = residual.clone()
+    want_h = triton_fused.rms_norm(y, nw, 1e-5, residual=want_res)
+    act_y = skinny_linear(gate_up, w, b, cfg, ws, act=True)
+    got_res = residual.clone()
+    got_h = skinny_linear(gate_up, w, b, cfg, ws, act=True, add_norm=AddNorm(got_res, nw, 1e-5))
+    again_res = residual.clone()
+    again_h = skinny_linear(gate_up, w, b, cfg, ws, act=True, add_norm=AddNorm(again_res, nw, 1e-5))
+    # one rounding of the last step apart at most (the squares are summed in another order)
+    ulp = torch.finfo(dtype).eps * want_h.float().abs().clamp_min(1e-3)
+    return {
+        "name": name,
+        "act_bitwise": bool(torch.equal(act_y, y)),
+        "residual_bitwise": bool(torch.equal(got_res, want_res)),
+        "norm_within_one_rounding": bool(((got_h.float() - want_h.float()).abs() <= ulp).all()),
+        "norm_err": float((got_h.float() - want_h.float()).abs().max()),
+        "run_to_run_equal": bool(torch.equal(got_h, again_h) and torch.equal(got_res, again_res)),
+        "counters_zero": int(ws.counters.abs().sum()) + int(ws.done.abs().sum()) == 0,
+    }
+
+
 def _ops_case(name: str) -> dict[str, Any]:
     import tempfile
 
@@ -102,6 +151,25 @@ def _ops_case(name: str) -> dict[str, Any]:
         path.write_text(table_to_json({(48, 96): ((1, cfg), (16, cfg))}))
         os.environ["DS4POOL_SKINNY_TABLE"] = str(path)
         ops = TritonOps()
+    if name == "ops_fused":  # linear_add_rms_norm: fused with the table, the module without
+        from ds4pool.model.layers import RMSNorm
+        from ds4pool.model.ops import TorchOps
+
+        lin = lin.to(torch.float16)
+        norm = RMSNorm(48, 1e-6).to(torch.float16)
+        x = torch.randn(1, 96, generator=g).to(torch.float16)
+        residual = torch.randn(1, 48, generator=g).to(torch.float16)
+        fused_r, fused_h = ops.linear_add_rms_norm(lin, x, norm, residual.clone())
+        ops.fuse_add_norm = False
+        plain_r, plain_h = ops.linear_add_rms_norm(lin, x, norm, residual.clone())
+        ref_r, ref_h = TorchOps().linear_add_rms_norm(lin.float(), x.float(), norm.float(),
+                                                       residual.float())  # fmt: skip
+        return {
+            "name": name,
+            "residual_equal": bool(torch.equal(fused_r, plain_r)),
+            "h_err": float((fused_h.float() - plain_h.float()).abs().max()),
+            "ref_err": float((fused_h.float() - ref_h).abs().max()),
+        }
     if name == "ops_table":
         lin = lin.to(torch.float16)
         out = {}
@@ -125,6 +193,8 @@ def _ops_case(name: str) -> dict[str, Any]:
 
 
 def run_case(name: str) -> dict[str, Any]:
+    if name.startswith("fused:"):
+        return _fused_case(name)
     return _ops_case(name) if name in OPS_CASES else _kernel_case(name)
 
 
@@ -142,6 +212,26 @@ def test_the_kernel_equals_f_linear(results: dict[str, dict[str, Any]], name: st
     assert r["err"] <= r["tolerance"], r
     assert r["run_to_run_equal"], "split-K's last strip adds the partials in a fixed order"
     assert r["counters_zero"], "every call leaves the arrival counters at zero"
+
+
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_the_fusions_give_the_unfused_kernels_results(
+    results: dict[str, dict[str, Any]], name: str
+) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["act_bitwise"], "silu·mul in the loads: the silu_mul kernel's bits"
+    assert r["residual_bitwise"], r
+    assert r["norm_within_one_rounding"], r
+    assert r["run_to_run_equal"], r
+    assert r["counters_zero"], "every call leaves the arrival counters at zero"
+
+
+def test_triton_ops_fuses_the_add_and_norm(results: dict[str, dict[str, Any]]) -> None:
+    r = results["ops_fused"]
+    assert "error" not in r, r.get("error")
+    assert r["residual_equal"], r
+    assert r["h_err"] <= 2e-3 and r["ref_err"] <= 2e-2, r
 
 
 def test_triton_ops_takes_the_table_config(results: dict[str, dict[str, Any]]) -> None:
@@ -222,19 +312,20 @@ needs_compiler = pytest.mark.skipif(
 @pytest.mark.parametrize("key", sorted(SKINNY_TABLE))
 def test_the_table_compiles_for_sm90_pipelined_without_spills(key: tuple[int, int]) -> None:
     pytest.importorskip("triton.backends.compiler")
-    from ds4pool.model.kernels.triton_linear import _skinny_kernel
+    from ds4pool.model.kernels.triton_linear import NORM_BLOCK, _skinny_kernel
     from tests import triton_compile
 
-    for rows, cfg in SKINNY_TABLE[key]:
+    # each launch plain and with both fusions (silu·mul loads, the add + norm epilogue)
+    for (rows, cfg), fused in itertools.product(SKINNY_TABLE[key], (False, True)):
         consts = dict(
             BLOCK_M=MAX_ROWS if cfg.dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SPLIT=cfg.split, USE_DOT=cfg.dot, HAS_BIAS=False, BALANCED=cfg.waves > 0,
-            PRECISION="tf32",
+            PRECISION="tf32", ACT=fused, ADD_NORM=fused, NORM_BLOCK=NORM_BLOCK,
         )  # fmt: skip
         kernel = triton_compile.compile_sm90(
             _skinny_kernel, consts, cfg.warps, cfg.stages,
-            pointers={"part_ptr": "*fp32", "cnt_ptr": "*i32"}, align_strides=True,
-            aligned={"n", "k", "k_chunk"},
+            pointers={"part_ptr": "*fp32", "cnt_ptr": "*i32", "done_ptr": "*i32"},
+            align_strides=True, aligned={"n", "k", "k_chunk"}, f32_scalars={"eps"},
         )  # fmt: skip
         if cfg.dot:  # Triton pipelines a dot loop's loads (cp.async), not the GEMV's
             assert "cp.async" in kernel.asm["ptx"], (key, rows, cfg)
@@ -245,4 +336,4 @@ def test_the_table_compiles_for_sm90_pipelined_without_spills(key: tuple[int, in
 
 
 if __name__ == "__main__":
-    print_cases(KERNEL_CASES + OPS_CASES, run_case)
+    print_cases(KERNEL_CASES + FUSED_CASES + OPS_CASES, run_case)

@@ -32,7 +32,14 @@ def normalised_row(x, w, n, eps):
     norm of the decode path calls it, so they round alike (triton_moe_gate's too)."""
     h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    return (h * inv).to(x.dtype) * w
+    return scaled_row(x, inv, w)
+
+
+@triton.jit
+def scaled_row(x, inv, w):
+    """w * (x * inv) with x * inv in float32 cast to x's dtype: the norm's last step, given
+    inv = 1 / rms(x) (normalised_row, or a norm that sums the squares in pieces)."""
+    return (x.to(tl.float32) * inv).to(x.dtype) * w
 
 
 @triton.jit

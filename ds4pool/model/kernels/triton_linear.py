@@ -20,6 +20,17 @@ weight-streaming tile loop:
   launch, no reduce kernel, no memset: the counters live in a `SkinnyWorkspace` made once
   per device (zeros; every call leaves them zero again, so CUDA-graph replays are safe).
 
+Two fusions remove the small launches around a projection:
+
+- `act=True` (a prologue): x is the gate_up output [M, 2K] and every x tile is
+  silu(gate) * up computed as it is loaded, as triton_fused.silu_mul computes it, to the
+  bit (the down projection's silu·mul launch);
+- `add_norm` (an epilogue): after storing its columns each program bumps one arrival
+  counter; the program that arrives last adds the whole output rows into the residual
+  stream (in place) and normalises them as triton_fused.rms_norm does, but for the order in
+  which the squares are summed (the add + RMSNorm launch after o_proj and down). The
+  normalised rows are the call's result.
+
 Which projection takes it, and with which tiles, is the table of triton_linear_configs.py,
 chosen in CUDA graphs on the H200 by `bench/linear.py --sweep`; shapes it does not list
 stay on cuBLAS.
@@ -27,26 +38,69 @@ stay on cuBLAS.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from ds4pool.model.kernels._proj_tiles import acc_add, acc_sum, acc_zeros
+from ds4pool.model.kernels.triton_fused import scaled_row
 from ds4pool.model.kernels.triton_linear_configs import MAX_GEMV_ROWS, MAX_ROWS, SkinnyConfig
+
+NORM_BLOCK = 1024  # the add + norm epilogue's columns at a time
 
 
 class SkinnyWorkspace:
-    """The split-K arrival counters of one device (int32 zeros, left zero by every call)."""
+    """The arrival counters of one device (int32 zeros, left zero by every call): split-K's
+    per column block, and the add + norm epilogue's one for the whole launch."""
 
     def __init__(self, device: torch.device, slots: int = 16384) -> None:
         self.counters = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class AddNorm:
+    """The epilogue's operands: residual [M, N] (updated in place: residual += y) and the
+    RMSNorm's weight [N] and eps; the call returns norm(residual + y)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+@triton.jit
+def _x_tile(x_ptr, rows, row_ok, ks, k_ok, k, stride_x, ONE_ROW: tl.constexpr,
+            ACT: tl.constexpr):  # fmt: skip
+    """The x rows at K offsets `ks`: [1, BLOCK_K] float32 for the one-row GEMV, else
+    [BLOCK_M, BLOCK_K] in x's dtype; with ACT, silu(gate) * up of x = [gate | up] (up at
+    column offset k)."""
+    if ONE_ROW:
+        a = _act(x_ptr + ks, k, k_ok, ACT).to(tl.float32)[None, :]
+    else:
+        offs = rows[:, None] * stride_x + ks[None, :]
+        a = _act(x_ptr + offs, k, row_ok[:, None] & k_ok[None, :], ACT)
+    return a
+
+
+@triton.jit
+def _act(ptrs, k, mask, ACT: tl.constexpr):
+    """x at ptrs, or with ACT silu(gate) * up of gate at ptrs and up k further, rounded as
+    triton_fused._silu_mul_kernel rounds it (silu in float32, cast, then times up)."""
+    a = tl.load(ptrs, mask=mask, other=0.0)
+    if ACT:
+        up = tl.load(ptrs + k, mask=mask, other=0.0)
+        g = a.to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(a.dtype) * up
+    return a
 
 
 @triton.jit
 def _column_block(
     x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ACT: tl.constexpr,
 ):  # fmt: skip
     """x [rows] @ W[cols].T over the K strip [k_lo, k_lo + k_chunk): [BLOCK_M, BLOCK_N] f32."""
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
@@ -60,31 +114,65 @@ def _column_block(
             other=0.0,
             eviction_policy="evict_first",
         )
-        if BLOCK_M == 1 and not USE_DOT:  # the one row (as measured for the table)
-            a = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        else:
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+        # (the one row as measured for the table: a [1, BLOCK_K] float32 broadcast)
+        a = _x_tile(x_ptr, rows, row_ok, ks, k_ok, k, stride_x,
+                    BLOCK_M == 1 and not USE_DOT, ACT)  # fmt: skip
         acc = acc_add(acc, a, w, BLOCK_M, USE_DOT, PRECISION)
     return acc_sum(acc, BLOCK_M, USE_DOT)
 
 
+@triton.jit
+def _add_norm_rows(
+    y_ptr, res_ptr, nw_ptr, h_ptr, done_ptr, m, n, eps, stride_y, stride_r, stride_h,
+    NORM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Called by every program after its last store of y: the one that arrives last does
+    residual += y and h = norm(residual) for the whole rows, NORM_BLOCK columns at a time
+    (few registers: the projection's loop keeps its occupancy), and leaves the counter at
+    zero. The squares are summed in NORM_BLOCK pieces, so h may differ from
+    triton_fused.rms_norm's by a rounding of the last step; the residual is the same bits."""
+    tl.debug_barrier()  # every thread's stores of y made before the arrival is counted
+    arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        for r in range(m):
+            ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+            for c0 in range(0, n, NORM_BLOCK):
+                cols = c0 + tl.arange(0, NORM_BLOCK)
+                mask = cols < n
+                # .cg: from L2, where the other programs stored their columns
+                y = tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+                x = y + tl.load(res_ptr + r * stride_r + cols, mask=mask, other=0.0)
+                tl.store(res_ptr + r * stride_r + cols, x, mask=mask)
+                xf = x.to(tl.float32)
+                ss += xf * xf
+            inv = tl.rsqrt(tl.sum(ss, axis=0) / n + eps)
+            tl.debug_barrier()  # the stream's row stored before it is read back
+            for c0 in range(0, n, NORM_BLOCK):
+                cols = c0 + tl.arange(0, NORM_BLOCK)
+                mask = cols < n
+                x = tl.load(res_ptr + r * stride_r + cols, mask=mask, other=0.0)
+                w = tl.load(nw_ptr + cols, mask=mask, other=0.0)
+                h = scaled_row(x, inv, w)
+                tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(done_ptr, 0)
+
+
 @triton.jit(do_not_specialize=["m"])
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, m, n, k, k_chunk,
-    stride_x, stride_w, stride_y,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, res_ptr, nw_ptr, h_ptr, done_ptr,
+    m, n, k, k_chunk, eps, stride_x, stride_w, stride_y, stride_r, stride_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, BALANCED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, ACT: tl.constexpr, ADD_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < m
     k_lo = tl.multiple_of(split * k_chunk, BLOCK_K)  # the host makes strips of whole tiles
+    stored = True  # whether this program stored its share of y (split-K: its last strip)
     if BALANCED:  # an equal share of the N columns, BLOCK_N at a time (no split)
         programs = tl.num_programs(0)
         lo = pid * n // programs
@@ -94,7 +182,7 @@ def _skinny_kernel(
             col_ok = cols < hi
             acc = _column_block(
                 x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x,
-                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION,
+                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION, ACT,
             )  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -105,7 +193,7 @@ def _skinny_kernel(
         col_ok = cols < n
         acc = _column_block(
             x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION, ACT,
         )  # fmt: skip
         out_mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * stride_y + cols[None, :]
@@ -114,7 +202,8 @@ def _skinny_kernel(
             tl.store(part + split * BLOCK_M * n, acc, mask=out_mask)
             tl.debug_barrier()  # every thread's partials stored before the arrival is counted
             arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if arrived == SPLIT - 1:  # the last strip of this column block: add them in order
+            stored = arrived == SPLIT - 1
+            if stored:  # the last strip of this column block: add them in order
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
                     strip = part + s * BLOCK_M * n  # .cg: from L2, where the others wrote
@@ -127,6 +216,12 @@ def _skinny_kernel(
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    if ADD_NORM:
+        if stored:
+            _add_norm_rows(
+                y_ptr, res_ptr, nw_ptr, h_ptr, done_ptr, m, n, eps, stride_y, stride_r,
+                stride_h, NORM_BLOCK,
+            )  # fmt: skip
 
 
 def _sm_count(device: torch.device) -> int:
@@ -136,37 +231,52 @@ def _sm_count(device: torch.device) -> int:
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K], M <= MAX_ROWS (M <= 1 for a GEMV config), unit stride along K
+    x: torch.Tensor,  # [M, K] (act: [M, 2K] gate | up), M <= MAX_ROWS (<= 4: GEMV), unit stride
     weight: torch.Tensor,  # [N, K] contiguous
     bias: torch.Tensor | None,  # [N] or None
     cfg: SkinnyConfig,
-    workspace: SkinnyWorkspace | None,  # needed when cfg.split > 1
+    workspace: SkinnyWorkspace | None,  # needed when cfg.split > 1 or with add_norm
+    act: bool = False,  # x is [gate | up]: project silu(gate) * up
+    add_norm: AddNorm | None = None,  # then residual += y; the result is norm(residual)
 ) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
+    """y = x @ W.T (+ bias) [M, N]; with `add_norm`, norm(residual + y) [M, N] (and the
+    residual updated in place)."""
+    m = x.shape[0]
+    n, k = weight.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y) if add_norm is not None else y
     if m == 0:
-        return y
+        return h
     assert m <= (MAX_ROWS if cfg.dot else MAX_GEMV_ROWS), (m, cfg)
-    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    assert x.shape[1] == (2 * k if act else k), (x.shape, weight.shape, act)
+    assert weight.stride(1) == 1 and x.stride(1) == 1
     block_m = MAX_ROWS if cfg.dot else triton.next_power_of_2(m)
     col_blocks = triton.cdiv(n, cfg.block_n)
     if cfg.waves:  # a program per SM and wave, each an equal share of the columns
         col_blocks = min(col_blocks, _sm_count(x.device) * cfg.waves)
     # strips of whole BLOCK_K tiles; a last strip may be short (masked) or empty
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
+    if cfg.split > 1 or add_norm is not None:
+        assert workspace is not None
     if cfg.split > 1:
-        assert workspace is not None and col_blocks <= workspace.counters.numel()
+        assert col_blocks <= workspace.counters.numel()
         part = torch.empty((cfg.split, block_m, n), dtype=torch.float32, device=x.device)
         counters = workspace.counters
     else:
         part, counters = y, y  # unused
+    if add_norm is not None:
+        res, nw, done, eps = add_norm.residual, add_norm.weight, workspace.done, add_norm.eps
+        assert res.shape == (m, n) and res.stride(1) == 1 and nw.shape == (n,), (res.shape, n)
+    else:
+        res, nw, done, eps = y, y, y, 0.0  # unused
     _skinny_kernel[(col_blocks, cfg.split)](
-        x, weight, bias if bias is not None else weight, y, part, counters, m, n, k, k_chunk,
-        x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, bias if bias is not None else weight, y, part, counters, res, nw, h, done,
+        m, n, k, k_chunk, eps, x.stride(0), weight.stride(0), y.stride(0), res.stride(0),
+        h.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         USE_DOT=cfg.dot, HAS_BIAS=bias is not None, BALANCED=cfg.waves > 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACT=act,
+        ADD_NORM=add_norm is not None, NORM_BLOCK=min(triton.next_power_of_2(n), NORM_BLOCK),
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
-    return y
+    return h
