@@ -27,9 +27,10 @@ Two fusions remove the small launches around a projection:
   bit (the down projection's silu·mul launch);
 - `add_norm` (an epilogue): after storing its columns each program bumps one arrival
   counter; the program that arrives last adds the whole output rows into the residual
-  stream (in place) and normalises them as triton_fused.rms_norm does, but for the order in
-  which the squares are summed (the add + RMSNorm launch after o_proj and down). The
-  normalised rows are the call's result.
+  stream (in place) and normalises them as triton_fused.rms_norm does (the add + RMSNorm
+  launch after o_proj and down). The normalised rows are the call's result. That last
+  program is a serial tail of a memory round trip or two a row, so TritonOps fuses it
+  for one row only (ADD_NORM_MAX_ROWS: at 8 rows on the H200 it cost 6 ms a step).
 
 Which projection takes it, and with which tiles, is the table of triton_linear_configs.py,
 chosen in CUDA graphs on the H200 by `bench/linear.py --sweep`; shapes it does not list
@@ -45,10 +46,10 @@ import triton
 import triton.language as tl
 
 from ds4pool.model.kernels._proj_tiles import acc_add, acc_sum, acc_zeros
-from ds4pool.model.kernels.triton_fused import scaled_row
+from ds4pool.model.kernels.triton_fused import normalised_row, scaled_row
 from ds4pool.model.kernels.triton_linear_configs import MAX_GEMV_ROWS, MAX_ROWS, SkinnyConfig
 
-NORM_BLOCK = 1024  # the add + norm epilogue's columns at a time
+NORM_BLOCK = 8192  # the add + norm epilogue's widest row loaded at once (more: in pieces)
 
 
 class SkinnyWorkspace:
@@ -127,35 +128,54 @@ def _add_norm_rows(
     NORM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Called by every program after its last store of y: the one that arrives last does
-    residual += y and h = norm(residual) for the whole rows, NORM_BLOCK columns at a time
-    (few registers: the projection's loop keeps its occupancy), and leaves the counter at
-    zero. The squares are summed in NORM_BLOCK pieces, so h may differ from
-    triton_fused.rms_norm's by a rounding of the last step; the residual is the same bits."""
+    residual += y and h = norm(residual) for the whole rows, and leaves the counter at
+    zero. A row of <= NORM_BLOCK columns is loaded at once (one memory round trip: this
+    is the launch's serial tail); wider ones NORM_BLOCK columns at a time, the squares
+    summed in pieces, so h may differ from triton_fused.rms_norm's by a rounding of the
+    last step (the residual is the same bits either way)."""
     tl.debug_barrier()  # every thread's stores of y made before the arrival is counted
     arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
         for r in range(m):
-            ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
-            for c0 in range(0, n, NORM_BLOCK):
-                cols = c0 + tl.arange(0, NORM_BLOCK)
+            if n <= NORM_BLOCK:
+                cols = tl.arange(0, NORM_BLOCK)
                 mask = cols < n
+                w = tl.load(nw_ptr + cols, mask=mask, other=0.0)
                 # .cg: from L2, where the other programs stored their columns
                 y = tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0,
                             cache_modifier=".cg")  # fmt: skip
                 x = y + tl.load(res_ptr + r * stride_r + cols, mask=mask, other=0.0)
                 tl.store(res_ptr + r * stride_r + cols, x, mask=mask)
-                xf = x.to(tl.float32)
-                ss += xf * xf
-            inv = tl.rsqrt(tl.sum(ss, axis=0) / n + eps)
-            tl.debug_barrier()  # the stream's row stored before it is read back
-            for c0 in range(0, n, NORM_BLOCK):
-                cols = c0 + tl.arange(0, NORM_BLOCK)
-                mask = cols < n
-                x = tl.load(res_ptr + r * stride_r + cols, mask=mask, other=0.0)
-                w = tl.load(nw_ptr + cols, mask=mask, other=0.0)
-                h = scaled_row(x, inv, w)
+                h = normalised_row(x, w, n, eps)
                 tl.store(h_ptr + r * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+            else:
+                _add_norm_pieces(y_ptr + r * stride_y, res_ptr + r * stride_r, nw_ptr,
+                                 h_ptr + r * stride_h, n, eps, NORM_BLOCK)  # fmt: skip
         tl.atomic_xchg(done_ptr, 0)
+
+
+@triton.jit
+def _add_norm_pieces(y_ptr, res_ptr, nw_ptr, h_ptr, n, eps, NORM_BLOCK: tl.constexpr):
+    """One row of more than NORM_BLOCK columns: add and sum the squares a piece at a time,
+    then normalise a piece at a time."""
+    ss = tl.zeros((NORM_BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n, NORM_BLOCK):
+        cols = c0 + tl.arange(0, NORM_BLOCK)
+        mask = cols < n
+        y = tl.load(y_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")
+        x = y + tl.load(res_ptr + cols, mask=mask, other=0.0)
+        tl.store(res_ptr + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        ss += xf * xf
+    inv = tl.rsqrt(tl.sum(ss, axis=0) / n + eps)
+    tl.debug_barrier()  # the stream's row stored before it is read back
+    for c0 in range(0, n, NORM_BLOCK):
+        cols = c0 + tl.arange(0, NORM_BLOCK)
+        mask = cols < n
+        x = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        w = tl.load(nw_ptr + cols, mask=mask, other=0.0)
+        h = scaled_row(x, inv, w)
+        tl.store(h_ptr + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -238,6 +258,7 @@ def skinny_linear(
     workspace: SkinnyWorkspace | None,  # needed when cfg.split > 1 or with add_norm
     act: bool = False,  # x is [gate | up]: project silu(gate) * up
     add_norm: AddNorm | None = None,  # then residual += y; the result is norm(residual)
+    norm_block: int = NORM_BLOCK,  # the epilogue's widest row at once (tests: smaller)
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) [M, N]; with `add_norm`, norm(residual + y) [M, N] (and the
     residual updated in place)."""
@@ -276,7 +297,7 @@ def skinny_linear(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split,
         USE_DOT=cfg.dot, HAS_BIAS=bias is not None, BALANCED=cfg.waves > 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACT=act,
-        ADD_NORM=add_norm is not None, NORM_BLOCK=min(triton.next_power_of_2(n), NORM_BLOCK),
+        ADD_NORM=add_norm is not None, NORM_BLOCK=min(triton.next_power_of_2(n), norm_block),
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return h

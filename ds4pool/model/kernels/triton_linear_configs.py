@@ -19,6 +19,11 @@ from pathlib import Path
 MAX_ROWS = 16  # tl.dot's smallest tile; more rows than this go to cuBLAS
 MAX_GEMV_ROWS = 4  # broadcast products of more rows than this need too many registers
 ROW_BUCKETS = (1, 4, 16)
+# The most rows whose add + norm runs in the skinny GEMM's last program (triton_linear.py's
+# epilogue, a serial tail of a memory round trip a row): at 8 rows (the 16-row bucket) on
+# the H200 the fused o_proj and down made a Llama-3-8B step 11.1 ms instead of 4.8 (session
+# 25, loading the rows 1,024 columns at a time), so more rows keep the norm's own launch.
+ADD_NORM_MAX_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
