@@ -166,6 +166,21 @@ class Sampler:
         # Precision of the draw and the top-p mass; MPS has no float64.
         self.float_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._vocab_hash: torch.Tensor | None = None  # [V] int64, mix32(v ^ _VOCAB_SALT)
+        # CUDA: greedy rows' argmax in one many-program launch (kernels/triton_argmax.py;
+        # torch.argmax's result exactly); made on the first eager call, before any capture
+        self._argmax_ws: object | None = None
+
+    def _argmax(self, logits32: torch.Tensor) -> torch.Tensor:
+        """argmax along V of [B, V]: torch's, or on CUDA the Triton kernel (same ids)."""
+        if logits32.is_cuda and logits32.stride(-1) == 1 and logits32.shape[-1] > 0:
+            from ds4pool.model.kernels import triton_argmax
+
+            if self._argmax_ws is None and not torch.cuda.is_current_stream_capturing():
+                self._argmax_ws = triton_argmax.ArgmaxWorkspace(logits32.device)
+            ws = self._argmax_ws
+            if isinstance(ws, triton_argmax.ArgmaxWorkspace) and len(logits32) <= len(ws.counters):
+                return triton_argmax.argmax_rows(logits32, ws)
+        return logits32.argmax(dim=-1)
 
     def sample(
         self,
@@ -193,7 +208,7 @@ class Sampler:
             steps = [s + u for s, u in zip(steps, unseen, strict=True)]
         if len(rows) == num_rows:
             return self._sample_rows(logits32, params, seeds, steps)
-        token_ids = logits32.argmax(dim=-1)  # [B]; first index on ties
+        token_ids = self._argmax(logits32)  # [B]; first index on ties
         if not rows:
             return token_ids
         row_index = self._upload(torch.tensor(rows), logits.device)  # [S]
