@@ -27,7 +27,7 @@ def _prefetch_kernel(src_ptr, sink_ptr, numel, keep, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(
-        src_ptr + offs, mask=offs < numel, other=0, cache_modifier=".cg",
+        src_ptr + offs, mask=offs < numel, other=0,
         eviction_policy="evict_last",
     )  # fmt: skip
     if keep != 0:  # never: the caller passes 0
