@@ -249,14 +249,6 @@ def main() -> None:
         "several: an A/B in one run",
     )
     ap.add_argument(
-        "--prefetch",
-        nargs="+",
-        choices=["on", "off"],
-        default=["on"],
-        help="CUDA: o_proj's weight loaded into L2 beside small decode steps' attention\n"
-        "(on, as the server) or not; both: an A/B in one run",
-    )
-    ap.add_argument(
         "--cpu-linear",
         choices=["auto", "onednn", "torch"],
         default="auto",
@@ -292,7 +284,6 @@ def main() -> None:
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
         f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {' '.join(args.blas)}, "
         f"launch {' '.join(args.launch)}, skinny {' '.join(args.skinny)}, "
-        f"prefetch {' '.join(args.prefetch)}, "
         f"linears {linear}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
@@ -309,11 +300,8 @@ def main() -> None:
     launches = [
         ("ahead" if device.type == "cuda" else "sync") if m == "auto" else m for m in args.launch
     ]
-    variants = [
-        (a, b, s, f) for a in args.backend for b in args.blas for s in args.skinny
-        for f in args.prefetch
-    ]  # fmt: skip
-    for backend, blas, skinny, prefetch in variants:
+    variants = [(a, b, s) for a in args.backend for b in args.blas for s in args.skinny]
+    for backend, blas, skinny in variants:
         if default_blas is not None:  # the library is a process-wide setting: set per run
             torch.backends.cuda.preferred_blas_library(blas_library(blas, device) or default_blas)
         runner = ModelRunner(
@@ -328,11 +316,8 @@ def main() -> None:
             runner.model.ops.skinny_table = {}
         if skinny == "unfused" and hasattr(runner.model.ops, "fuse_act"):
             runner.model.ops.fuse_act = runner.model.ops.fuse_add_norm = False
-        if prefetch == "off" and hasattr(runner.model.ops, "prefetch"):
-            runner.model.ops.prefetch = False
         label = runner.backend.name + ("" if len(args.blas) == 1 else f" / {blas}")
         label += "" if len(args.skinny) == 1 else f" / skinny {skinny}"
-        label += "" if len(args.prefetch) == 1 else f" / prefetch {prefetch}"
         for launch in launches:
             tag = label + ("" if len(launches) == 1 else f" / {launch}")
             for b in args.batch:

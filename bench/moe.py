@@ -206,13 +206,6 @@ def main() -> None:
         help="CUDA: the dense projections' skinny Triton GEMM where its table has the shape "
         "(on, as the server) or all on cuBLAS (off)",
     )
-    ap.add_argument(
-        "--prefetch",
-        default="on",
-        choices=("on", "off"),
-        help="CUDA: o_proj's weight loaded into L2 beside small decode steps' attention "
-        "(on, as the server) or not (off)",
-    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -255,8 +248,6 @@ def main() -> None:
     # after both runners are made (each sets the shared model's ops), before any capture
     if args.skinny == "off" and hasattr(loaded.model.ops, "skinny_table"):
         loaded.model.ops.skinny_table = {}
-    if args.prefetch == "off" and hasattr(loaded.model.ops, "prefetch"):
-        loaded.model.ops.prefetch = False
     bandwidth = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
@@ -267,8 +258,7 @@ def main() -> None:
         f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
         f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
         f"per step; experts {impl} (decode route {args.decode_route}), gate {args.gate}, "
-        f"attention {runner.backend.name}, launch {args.launch}, skinny {args.skinny}, "
-        f"prefetch {args.prefetch}, CUDA graphs "
+        f"attention {runner.backend.name}, launch {args.launch}, skinny {args.skinny}, CUDA graphs "
         f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )

@@ -81,8 +81,6 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        # o_proj's weight into L2 while the attention runs, where the ops do that
-        prefetch = ops.prefetch_begin(self.o_proj.weight, meta, t)
         # a decode-only Triton step: the prologue inside the decode kernel (one launch)
         out = ops.decode_attention(
             self.backend, q, k, v, rope, cache, meta, self.scale, q_norm, k_norm
@@ -93,7 +91,6 @@ class LlamaAttention(nn.Module):
                 q, k, v, rope, cache, meta.slot_mapping, q_norm, k_norm
             )
             out = self.backend.forward(q, k, v, cache, meta, self.scale, kv_stored=stored)
-        ops.prefetch_end(prefetch)
         return out.reshape(t, -1)
 
 

@@ -10,9 +10,6 @@ On a decode-only step `TritonOps.decode_attention` goes one step further than th
 prologue: the backend's decode kernel does the prologue itself (one launch a layer fewer;
 DS4POOL_DECODE_PROLOGUE=0 or `decode_prologue = False` turns that off for an A/B run).
 
-`prefetch_begin` / `prefetch_end` bracket a small decode step's attention: TritonOps loads
-the o_proj weight into L2 meanwhile, on a side stream (kernels/triton_prefetch.py).
-
 `linear` is a projection: the module's own forward (cuBLAS, oneDNN's packed weights on CPU),
 except where `TritonOps` has a skinny-GEMM config for the weight's shape and the step's
 rows (model/kernels/triton_linear_configs.py: measured to beat cuBLASLt on the H200).
@@ -77,14 +74,6 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def prefetch_begin(self, weight: torch.Tensor, meta: AttentionMetadata, rows: int) -> Any:
-        """Start loading `weight` (the next projection's) into the GPU's L2 while the caller
-        runs the attention; returns what prefetch_end takes. Here: nothing to do."""
-        return None
-
-    def prefetch_end(self, started: Any) -> None:
-        """The work of prefetch_begin joined back into the caller's stream."""
-
     def attention_prologue(
         self,
         q: torch.Tensor,  # [T, H, D]
@@ -128,16 +117,10 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, decode_prologue: bool | None = None) -> None:
-        from ds4pool.model.kernels import (
-            triton_fused,
-            triton_linear,
-            triton_prefetch,
-            triton_prologue,
-        )
+        from ds4pool.model.kernels import triton_fused, triton_linear, triton_prologue
 
         self._k = triton_fused
         self._kl = triton_linear
-        self._pf = triton_prefetch
         self._prologue = triton_prologue
         # the prologue inside the decode kernel on decode-only steps (decode_attention)
         if decode_prologue is None:
@@ -150,10 +133,6 @@ class TritonOps(TorchOps):
         # down projection's silu·mul prologue, the add + norm epilogue of o_proj and down
         fuse = os.environ.get("DS4POOL_SKINNY_FUSE", "1") != "0"
         self.fuse_act = self.fuse_add_norm = fuse
-        # o_proj's weight loaded into L2 beside a small decode step's attention
-        # (kernels/triton_prefetch.py; DS4POOL_PREFETCH=0: off, for an A/B run)
-        self.prefetch = os.environ.get("DS4POOL_PREFETCH", "1") != "0"
-        self._side: dict[torch.device, Any] = {}
 
     def linear(self, lin: nn.Module, x: torch.Tensor, act: bool = False) -> torch.Tensor:
         launch = self._skinny(lin, x, act, epilogue=False)
@@ -219,40 +198,6 @@ class TritonOps(TorchOps):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
-
-    def prefetch_begin(self, weight: torch.Tensor, meta: AttentionMetadata, rows: int) -> Any:
-        # on a decode-only step of few rows, whose attention leaves most of the GPU idle,
-        # for a weight that fits the L2 with room to spare: a side stream loads it
-        if (
-            not self.prefetch
-            or not weight.is_cuda
-            or not meta.decode_only
-            or rows > PREFETCH_MAX_ROWS
-            or weight.nbytes % 4
-            or not weight.is_contiguous()
-        ):
-            return None
-        side = self._side.get(weight.device)
-        if side is None:
-            if torch.cuda.is_current_stream_capturing():
-                return None  # made on an eager (warm-up) step, before any capture
-            props = torch.cuda.get_device_properties(weight.device)
-            l2 = getattr(props, "L2_cache_size", 0)
-            sink = torch.zeros(1024, dtype=torch.int32, device=weight.device)
-            side = self._side[weight.device] = (torch.cuda.Stream(weight.device), sink, l2)
-        stream, sink, l2 = side
-        if weight.nbytes > PREFETCH_L2_SHARE * l2:
-            return None
-        main = torch.cuda.current_stream(weight.device)
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            self._pf.prefetch_l2(weight, sink)
-        return main, stream
-
-    def prefetch_end(self, started: Any) -> None:
-        if started is not None:
-            main, stream = started
-            main.wait_stream(stream)
 
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, rope: Any
@@ -320,13 +265,6 @@ class TritonOps(TorchOps):
             k, v, positions, meta.slot_mapping, inv_freq, qw, kw, eps, factor
         )
         return fused(q, cache, meta, scale, prologue)
-
-
-# prefetch_begin's limits: steps of at most this many rows (more fill the GPU with attention
-# programs of their own), weights of at most this share of the L2 (the rest keeps the
-# step's activations and KV reads)
-PREFETCH_MAX_ROWS = 8
-PREFETCH_L2_SHARE = 0.75
 
 
 def _skinny_table(setting: str) -> Any:

@@ -1,7 +1,7 @@
 """The fused decoder-layer kernels compile for an H100/H200 (sm_90) on a machine without a
 GPU (as tests/unit/test_triton_compile.py does for attention): the attention prologue, the
 MoE decode kernels in each split-K mode and the combine with the residual add + norm, and the
-small kernels beside them (the L2 prefetch of o_proj, the greedy argmax). The
+greedy argmax beside them. The
 interpreter accepts code the compiler rejects (a name bound to tiles of two shapes in the
 two sides of a runtime branch, dtype constexprs passed down): this runs the real pipeline.
 """
@@ -9,7 +9,6 @@ two sides of a runtime branch, dtype constexprs passed down): this runs the real
 from __future__ import annotations
 
 import importlib.util
-import re
 import os
 
 import pytest
@@ -24,7 +23,6 @@ moe_decode = pytest.importorskip("ds4pool.model.kernels.triton_moe_decode")
 moe_combine = pytest.importorskip("ds4pool.model.kernels.triton_moe_combine")
 moe_gate = pytest.importorskip("ds4pool.model.kernels.triton_moe_gate")
 moe_route = pytest.importorskip("ds4pool.model.kernels.triton_moe_route")
-prefetch = pytest.importorskip("ds4pool.model.kernels.triton_prefetch")
 argmax = pytest.importorskip("ds4pool.model.kernels.triton_argmax")
 
 pytest.importorskip("triton.backends.compiler")  # the NVIDIA backend, to compile for sm_90
@@ -185,18 +183,6 @@ def test_moe_gate_compiles_without_spills() -> None:
     usage = triton_compile.resource_usage(kernel.asm["cubin"])
     if usage is not None:
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
-
-
-def test_the_prefetch_kernel_compiles_with_an_l2_hint() -> None:
-    """ptxas rejects an L2 evict-last hint on a .cg load (what the first version asked for,
-    an error only the real compile shows): the loads keep the hint and are not removed."""
-    kernel = triton_compile.compile_sm90(
-        prefetch._prefetch_kernel, dict(BLOCK=prefetch.BLOCK), 4, 1,
-        pointers={"src_ptr": "*i32", "sink_ptr": "*i32"}, aligned={"numel"},
-    )  # fmt: skip
-    loads = set(re.findall(r"ld\.global[\w.:]*", kernel.asm["ptx"]))
-    assert loads and all("L2::cache_hint" in op for op in loads), loads
-    assert "createpolicy.fractional.L2::evict_last" in kernel.asm["ptx"]
 
 
 def test_the_argmax_kernel_compiles() -> None:
