@@ -133,8 +133,13 @@ class TritonOps(TorchOps):
         # down projection's silu·mul prologue, the add + norm epilogue of o_proj and down
         fuse = os.environ.get("DS4POOL_SKINNY_FUSE", "1") != "0"
         self.fuse_act = self.fuse_add_norm = fuse
+        # for steps of at most this many rows (DS4POOL_SKINNY_FUSE_ROWS: another limit, to
+        # measure one); more rows run silu·mul and the add + norm in launches of their own
+        rows = os.environ.get("DS4POOL_SKINNY_FUSE_ROWS", "")
+        self.fuse_max_rows = int(rows) if rows.isdigit() else skinny_configs.FUSE_MAX_ROWS
 
     def linear(self, lin: nn.Module, x: torch.Tensor, act: bool = False) -> torch.Tensor:
+        x, act = self._act_input(x, act)
         launch = self._skinny(lin, x, act, epilogue=False)
         if launch is None:
             return super().linear(lin, x, act)
@@ -150,7 +155,8 @@ class TritonOps(TorchOps):
         act: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # the add + norm inside the skinny GEMM's launch (its last program), where it runs
-        fuses = self.fuse_add_norm and x.shape[0] <= skinny_configs.ADD_NORM_MAX_ROWS
+        x, act = self._act_input(x, act)
+        fuses = self.fuse_add_norm and x.shape[0] <= self.fuse_max_rows
         launch = self._skinny(lin, x, act, epilogue=True) if fuses else None
         if launch is None or residual.stride(-1) != 1:
             return super().linear_add_rms_norm(lin, x, norm, residual, act)
@@ -159,6 +165,13 @@ class TritonOps(TorchOps):
         h = self._kl.skinny_linear(x, lin.weight, lin.bias, cfg, ws, act=act, add_norm=add_norm)
         return residual, h
 
+    def _act_input(self, x: torch.Tensor, act: bool) -> tuple[torch.Tensor, bool]:
+        # silu·mul in its own launch where the projection does not fuse it: the projection
+        # may still be the skinny GEMM
+        if act and not (self.fuse_act and x.shape[0] <= self.fuse_max_rows):
+            return self.silu_mul(x), False
+        return x, act
+
     def _skinny(self, lin: nn.Module, x: torch.Tensor, act: bool, epilogue: bool) -> Any:
         """(config, workspace) of the skinny GEMM for lin(x) (with `epilogue`: and the add +
         norm after it), or None: the caller runs the module (and the norm) as before."""
@@ -166,7 +179,7 @@ class TritonOps(TorchOps):
             return None
         if x.dtype not in (torch.bfloat16, torch.float16) or lin.weight.dtype != x.dtype:
             return None  # fp32's tl.dot would be tf32: the reference's precision is cuBLAS's
-        if x.stride(1) != 1 or not lin.weight.is_contiguous() or (act and not self.fuse_act):
+        if x.stride(1) != 1 or not lin.weight.is_contiguous():
             return None
         n, k = lin.weight.shape
         cfg = skinny_configs.config_for(n, k, x.shape[0], self.skinny_table)

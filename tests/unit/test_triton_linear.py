@@ -181,6 +181,15 @@ def _ops_case(name: str) -> dict[str, Any]:
             x = torch.randn(rows, 96, generator=g).to(torch.float16)
             direct = skinny_linear(x, lin.weight, lin.bias, cfg, SkinnyWorkspace(x.device, 8))
             out[f"rows{rows}_skinny"] = bool(torch.equal(ops.linear(lin, x), direct))
+        # a down projection (x = gate | up): silu·mul fused for one row; for more, its own
+        # launch, and the projection still the skinny GEMM
+        from ds4pool.model.kernels.triton_fused import silu_mul
+
+        for rows in (1, 9):
+            gu = torch.randn(rows, 192, generator=g).to(torch.float16)
+            ws = SkinnyWorkspace(gu.device, 8)
+            direct = skinny_linear(silu_mul(gu), lin.weight, lin.bias, cfg, ws)
+            out[f"act_rows{rows}_skinny"] = bool(torch.equal(ops.linear(lin, gu, act=True), direct))
         return {"name": name, **out}
     # fp32 (tl.dot would be tf32), a bucket the table has no row for, more than 16 rows
     x32 = torch.randn(2, 96, generator=g)
@@ -242,6 +251,7 @@ def test_triton_ops_takes_the_table_config(results: dict[str, dict[str, Any]]) -
     r = results["ops_table"]
     assert "error" not in r, r.get("error")
     assert r["rows1_skinny"] and r["rows9_skinny"], r
+    assert r["act_rows1_skinny"] and r["act_rows9_skinny"], r
 
 
 def test_triton_ops_falls_back_to_the_module(results: dict[str, dict[str, Any]]) -> None:

@@ -29,8 +29,10 @@ Two fusions remove the small launches around a projection:
   counter; the program that arrives last adds the whole output rows into the residual
   stream (in place) and normalises them as triton_fused.rms_norm does (the add + RMSNorm
   launch after o_proj and down). The normalised rows are the call's result. That last
-  program is a serial tail of a memory round trip or two a row, so TritonOps fuses it
-  for one row only (ADD_NORM_MAX_ROWS: at 8 rows on the H200 it cost 6 ms a step).
+  program is a serial tail of a memory round trip or two a row.
+
+TritonOps fuses both for steps of one row only (FUSE_MAX_ROWS: at 2-8 rows on the H200 they
+made a step 1.6-6 ms slower).
 
 Which projection takes it, and with which tiles, is the table of triton_linear_configs.py,
 chosen in CUDA graphs on the H200 by `bench/linear.py --sweep`; shapes it does not list

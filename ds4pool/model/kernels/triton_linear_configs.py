@@ -19,11 +19,13 @@ from pathlib import Path
 MAX_ROWS = 16  # tl.dot's smallest tile; more rows than this go to cuBLAS
 MAX_GEMV_ROWS = 4  # broadcast products of more rows than this need too many registers
 ROW_BUCKETS = (1, 4, 16)
-# The most rows whose add + norm runs in the skinny GEMM's last program (triton_linear.py's
-# epilogue, a serial tail of a memory round trip a row): at 8 rows (the 16-row bucket) on
-# the H200 the fused o_proj and down made a Llama-3-8B step 11.1 ms instead of 4.8 (session
-# 25, loading the rows 1,024 columns at a time), so more rows keep the norm's own launch.
-ADD_NORM_MAX_ROWS = 1
+# The most rows whose projection fuses silu·mul or the add + norm (TritonOps; more rows run
+# them in launches of their own, the projection still the skinny GEMM). Measured on the
+# H200, Llama-3-8B step (docs/BENCHMARKS.md, session 26): batch 1 fused 4.21 ms, unfused
+# 4.22; fused up to 4 rows, batch 2 and 4 took 6.11 and 6.26 ms against 4.52 and 4.55; at
+# batch 8 the fused silu·mul made it 9.59 ms against 4.60 (and the add + norm's serial last
+# program 11.1 against 4.8 in session 25).
+FUSE_MAX_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
