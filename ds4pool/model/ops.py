@@ -136,7 +136,9 @@ class TritonOps(TorchOps):
         # for steps of at most this many rows (DS4POOL_SKINNY_FUSE_ROWS: another limit, to
         # measure one); more rows run silu·mul and the add + norm in launches of their own
         rows = os.environ.get("DS4POOL_SKINNY_FUSE_ROWS", "")
-        self.fuse_max_rows = int(rows) if rows.isdigit() else skinny_configs.FUSE_MAX_ROWS
+        if rows and not rows.isdigit():
+            raise DeviceError(f"DS4POOL_SKINNY_FUSE_ROWS={rows}: not a row count")
+        self.fuse_max_rows = int(rows) if rows else skinny_configs.FUSE_MAX_ROWS
 
     def linear(self, lin: nn.Module, x: torch.Tensor, act: bool = False) -> torch.Tensor:
         x, act = self._act_input(x, act)

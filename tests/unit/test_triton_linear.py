@@ -295,6 +295,19 @@ def test_a_bad_table_file_is_one_line_error(tmp_path: Path) -> None:
     assert _skinny_table("0") == {}
 
 
+def test_a_bad_fusion_row_limit_is_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds4pool.errors import DeviceError
+    from ds4pool.model.ops import TritonOps
+
+    monkeypatch.setenv("DS4POOL_SKINNY_FUSE_ROWS", "four")
+    with pytest.raises(DeviceError, match="DS4POOL_SKINNY_FUSE_ROWS=four: not a row count"):
+        TritonOps()
+    monkeypatch.setenv("DS4POOL_SKINNY_FUSE_ROWS", "4")
+    assert TritonOps().fuse_max_rows == 4
+    monkeypatch.delenv("DS4POOL_SKINNY_FUSE_ROWS")
+    assert TritonOps().fuse_max_rows == 1
+
+
 def test_config_validation() -> None:
     for bad in (
         dict(block_n=8, block_k=64),  # dot tiles need 16 columns
