@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ds4pool import __version__
+from ds4pool.allocator import fix_mmap_threshold
 from ds4pool.errors import Ds4poolError
 from ds4pool.threads import apply_thread_env
 
@@ -87,6 +88,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     apply_thread_env(os.environ)  # before any subcommand imports torch
+    fix_mmap_threshold(os.environ)  # session buffers handed back to the kernel when freed
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
