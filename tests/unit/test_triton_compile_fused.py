@@ -1,9 +1,9 @@
 """The fused decoder-layer kernels compile for an H100/H200 (sm_90) on a machine without a
 GPU (as tests/unit/test_triton_compile.py does for attention): the attention prologue, the
 MoE decode kernels in each split-K mode and the combine with the residual add + norm, and the
-greedy argmax beside them. The
-interpreter accepts code the compiler rejects (a name bound to tiles of two shapes in the
-two sides of a runtime branch, dtype constexprs passed down): this runs the real pipeline.
+greedy argmax beside them. The interpreter accepts code the compiler rejects (a name bound to
+tiles of two shapes in the two sides of a runtime branch, dtype constexprs passed down): this
+runs the real pipeline.
 """
 
 from __future__ import annotations
