@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._pdl import pdl_trigger, pdl_wait
 from ds4pool.model.kernels._tiles import load_kv_tile, partition_bounds, softmax_step
 from ds4pool.model.kernels.triton_prologue import norm_rope_heads, rope_cos_sin, store_kv_heads
 
@@ -84,7 +85,10 @@ def decode_kernel(
     HALF: tl.constexpr = 1,  # D // 2
     HALF_PAD: tl.constexpr = 1,  # == HALF: D is a power of two
     BLOCK_KV: tl.constexpr = 1,  # rows of the k head's tile: the prologue kernel's BLOCK_KV
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (kernels/_pdl.py)
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)  # every input may be the output of a kernel still running
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)

@@ -69,6 +69,7 @@ import torch
 import triton
 
 from ds4pool.model.kernels._decode_kernels import decode_kernel, decode_reduce_kernel
+from ds4pool.model.kernels._pdl import launch_options
 from ds4pool.model.kernels._prefill_kernels import prefill_kernel, prefill_reduce_kernel
 from ds4pool.model.kernels.triton_prologue import DecodePrologue, no_decode_prologue
 
@@ -257,6 +258,7 @@ def paged_decode(
         SPLIT=num_parts > 1,
         USE_WINDOW=window > 0, PRECISION=_precision(q.dtype), **pro_consts,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **launch_options(prologue is not None and prologue.pdl),
     )  # fmt: skip
     if num_parts == 1:
         return

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._pdl import launch_options, pdl_trigger, pdl_wait
 from ds4pool.model.kernels._proj_tiles import acc_add, acc_sum, acc_zeros
 from ds4pool.model.kernels.triton_fused import normalised_row, scaled_row
 from ds4pool.model.kernels.triton_linear_configs import MAX_GEMV_ROWS, MAX_ROWS, SkinnyConfig
@@ -103,25 +104,43 @@ def _act(ptrs, k, mask, ACT: tl.constexpr):
 def _column_block(
     x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, ACT: tl.constexpr,
+    PRECISION: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """x [rows] @ W[cols].T over the K strip [k_lo, k_lo + k_chunk): [BLOCK_M, BLOCK_N] f32."""
+    """x [rows] @ W[cols].T over the K strip [k_lo, k_lo + k_chunk): [BLOCK_M, BLOCK_N] f32.
+    With PDL the strip's first weight tile is loaded before the wait (kernels/_pdl.py:
+    weights are no earlier kernel's output), x and the rest after it (a strip is >= one
+    tile); the same products in the same order either way."""
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     acc = acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT)
-    for k0 in range(k_lo, k_lo + k_chunk, BLOCK_K):
+    # (the one row as measured for the table: a [1, BLOCK_K] float32 broadcast)
+    one_row: tl.constexpr = BLOCK_M == 1 and not USE_DOT
+    k_first = k_lo
+    if PDL:
+        ks = k_lo + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        w = _w_tile(w_rows, ks, col_ok, k_ok)
+        pdl_wait(PDL)
+        a = _x_tile(x_ptr, rows, row_ok, ks, k_ok, k, stride_x, one_row, ACT)
+        acc = acc_add(acc, a, w, BLOCK_M, USE_DOT, PRECISION)
+        k_first += BLOCK_K
+    for k0 in range(k_first, k_lo + k_chunk, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        w = tl.load(
-            w_rows + ks[None, :],
-            mask=col_ok[:, None] & k_ok[None, :],
-            other=0.0,
-            eviction_policy="evict_first",
-        )
-        # (the one row as measured for the table: a [1, BLOCK_K] float32 broadcast)
-        a = _x_tile(x_ptr, rows, row_ok, ks, k_ok, k, stride_x,
-                    BLOCK_M == 1 and not USE_DOT, ACT)  # fmt: skip
+        w = _w_tile(w_rows, ks, col_ok, k_ok)
+        a = _x_tile(x_ptr, rows, row_ok, ks, k_ok, k, stride_x, one_row, ACT)
         acc = acc_add(acc, a, w, BLOCK_M, USE_DOT, PRECISION)
     return acc_sum(acc, BLOCK_M, USE_DOT)
+
+
+@triton.jit
+def _w_tile(w_rows, ks, col_ok, k_ok):
+    """The weight tile [BLOCK_N, BLOCK_K] at K offsets `ks`, read once (evict-first)."""
+    return tl.load(
+        w_rows + ks[None, :],
+        mask=col_ok[:, None] & k_ok[None, :],
+        other=0.0,
+        eviction_policy="evict_first",
+    )
 
 
 @triton.jit
@@ -187,8 +206,9 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, BALANCED: tl.constexpr,
     PRECISION: tl.constexpr, ACT: tl.constexpr, ADD_NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_trigger(PDL or TRIGGER)  # (kernels/_pdl.py: the next kernel may start its loads)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -204,7 +224,7 @@ def _skinny_kernel(
             col_ok = cols < hi
             acc = _column_block(
                 x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x,
-                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION, ACT,
+                stride_w, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION, ACT, PDL,
             )  # fmt: skip
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -215,7 +235,7 @@ def _skinny_kernel(
         col_ok = cols < n
         acc = _column_block(
             x_ptr, w_ptr, cols, col_ok, rows, row_ok, k, k_lo, k_chunk, stride_x, stride_w,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION, ACT,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, PRECISION, ACT, PDL,
         )  # fmt: skip
         out_mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * stride_y + cols[None, :]
@@ -239,6 +259,7 @@ def _skinny_kernel(
                 acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     if ADD_NORM:
+        pdl_wait(PDL)  # (a balanced program with no columns did not wait above)
         if stored:
             _add_norm_rows(
                 y_ptr, res_ptr, nw_ptr, h_ptr, done_ptr, m, n, eps, stride_y, stride_r,
@@ -261,6 +282,8 @@ def skinny_linear(
     act: bool = False,  # x is [gate | up]: project silu(gate) * up
     add_norm: AddNorm | None = None,  # then residual += y; the result is norm(residual)
     norm_block: int = NORM_BLOCK,  # the epilogue's widest row at once (tests: smaller)
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/_pdl.py)
+    trigger: bool = False,  # launched or not, let the next kernel start early (pdl does too)
 ) -> torch.Tensor:
     """y = x @ W.T (+ bias) [M, N]; with `add_norm`, norm(residual + y) [M, N] (and the
     residual updated in place)."""
@@ -300,6 +323,7 @@ def skinny_linear(
         USE_DOT=cfg.dot, HAS_BIAS=bias is not None, BALANCED=cfg.waves > 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ACT=act,
         ADD_NORM=add_norm is not None, NORM_BLOCK=min(triton.next_power_of_2(n), norm_block),
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        PDL=pdl, TRIGGER=trigger, num_warps=cfg.warps, num_stages=cfg.stages,
+        **launch_options(pdl),
     )  # fmt: skip
     return h

@@ -15,13 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._pdl import launch_options, pdl_trigger, pdl_wait
+
 
 @triton.jit
 def _combine_kernel(
     y_ptr, ypart_ptr, weights_ptr, out_ptr, res_ptr, norm_ptr, hidden, eps,
     stride_y, stride_ys, stride_yr, stride_o, stride_r,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_trigger(PDL)  # (kernels/_pdl.py)
+    pdl_wait(PDL)
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < hidden
@@ -60,6 +65,7 @@ def combine(
     residual: torch.Tensor | None = None,  # [T, H]: updated in place, the norm's input
     norm_weight: torch.Tensor | None = None,  # [H], with residual
     eps: float = 0.0,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/_pdl.py)
 ) -> torch.Tensor:
     """[T, H]: Σ_j weights[t, j] · y[t·k + j]; with `residual`, residual += that and the
     result is RMSNorm(residual) by `norm_weight`."""
@@ -80,6 +86,6 @@ def combine(
     _combine_kernel[(t, triton.cdiv(hidden, block))](
         y, y, weights, out, res, nw, hidden, eps, y.stride(-2), ys, yr, out.stride(0),
         res.stride(0), TOP_K=k, BLOCK_N=block, SPLIT=split, NORM=norm,
-        num_warps=(4 if block <= 2048 else 8) if norm else 4,
+        PDL=pdl, num_warps=(4 if block <= 2048 else 8) if norm else 4, **launch_options(pdl),
     )  # fmt: skip
     return out

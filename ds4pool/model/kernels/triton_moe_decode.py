@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._pdl import launch_options, pdl_trigger, pdl_wait
 from ds4pool.model.kernels._proj_tiles import acc_add, acc_sum, acc_zeros
 from ds4pool.model.kernels.triton_moe_combine import combine
 from ds4pool.model.kernels.triton_moe_configs import DecodeConfig, config_for
@@ -103,7 +104,10 @@ def _gate_up_kernel(
     ROUTE: tl.constexpr, ROUTER: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROUTE_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_NG: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)  # (kernels/_pdl.py) which expert's weights to read is the router's output
     if ROUTE:  # the step's routing from its logits, here instead of in a launch of its own
         expert, ids = route_in_program(
             logits_ptr, bias_ptr, weights_ptr, ids_ptr, groups_ptr, t, e, num_groups,
@@ -177,7 +181,10 @@ def _down_kernel(
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
     GU_SPLIT: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     expert = tl.load(groups_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -242,6 +249,7 @@ def decode_experts(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     route: DeferredRoute | None = None,  # the gate_up routes: weights, ids, groups are its
+    pdl: bool = False,  # the three launched with programmatic dependent launch (kernels/_pdl.py)
 ) -> torch.Tensor:
     """Σ_j weights[t, j] · down[e](silu·mul(gate_up[e] x[t])) for each token's k experts
     e = ids[t, j]: three launches (gate_up, down, combine), whatever the splits. With
@@ -285,7 +293,8 @@ def decode_experts(
         part.stride(0), part.stride(1) if gu_split > 1 else 0, *r_args,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, SPLIT=gu_split, USE_TMA=gu_w is not gate_up,
-        ROUTE=route is not None, **r_consts, num_warps=gu.num_warps, num_stages=gu.num_stages,
+        ROUTE=route is not None, **r_consts, PDL=pdl, num_warps=gu.num_warps,
+        num_stages=gu.num_stages, **launch_options(pdl),
     )  # fmt: skip
     bt, bn, bk, dot = tile_shape(t, dn.block_n, x.element_size(), gemv_max_tokens, dn.block_k)
     dn_split, dn_chunk = strips(inter, dn.split_k, bk)
@@ -303,7 +312,7 @@ def decode_experts(
         ypart.stride(0), ypart.stride(1) if dn_split > 1 else 0,
         TOP_K=k, BLOCK_T=bt, BLOCK_KS=pow2(k), BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot,
         PRECISION=precision, GU_SPLIT=gu_split, SPLIT=dn_split, USE_TMA=dn_w is not down,
-        num_warps=dn.num_warps,
-        num_stages=dn.num_stages,
+        PDL=pdl, num_warps=dn.num_warps, num_stages=dn.num_stages, **launch_options(pdl),
     )  # fmt: skip
-    return combine(ypart if dn_split > 1 else y, weights, x.dtype, residual, norm_weight, eps)
+    y_or_parts = ypart if dn_split > 1 else y
+    return combine(y_or_parts, weights, x.dtype, residual, norm_weight, eps, pdl=pdl)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4pool.model.kernels._pdl import launch_options, pdl_trigger, pdl_wait
 from ds4pool.model.kernels.triton_fused import normalised_row
 
 # Experts a program dots, and its warps: ONE launch for every T, because they set how a row's
@@ -42,8 +43,9 @@ NUM_WARPS = 4
 def _norm_logits_kernel(
     a_ptr, res_ptr, nw_ptr, rw_ptr, res_out_ptr, h_ptr, logits_ptr, n, e, eps,
     stride_a, stride_r, stride_ro, stride_h, stride_w, stride_l,
-    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_trigger(PDL)  # (kernels/_pdl.py)
     block = tl.program_id(0)
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -55,6 +57,7 @@ def _norm_logits_kernel(
         mask=e_ok[:, None] & c_ok[None, :],
         other=0.0,
     )
+    pdl_wait(PDL)  # the router's weights before it, the row (the attention's output) after
     x = tl.load(a_ptr + row * stride_a + cols, mask=c_ok, other=0.0)
     x = x + tl.load(res_ptr + row * stride_r + cols, mask=c_ok, other=0.0)
     nw = tl.load(nw_ptr + cols, mask=c_ok, other=0.0)
@@ -74,6 +77,7 @@ def add_norm_logits(
     router_weight: torch.Tensor,  # [E, H]
     block_e: int = 0,  # 0: BLOCK_E (bench/moe_gate.py times others)
     num_warps: int = 0,
+    pdl: bool = False,  # launched with programmatic dependent launch (kernels/_pdl.py)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(residual + a, rms_norm(residual + a), logits [T, E]), all in a's dtype."""
     t, n = a.shape
@@ -96,6 +100,6 @@ def add_norm_logits(
         a, residual, norm_weight, router_weight, res_out, h, logits, n, e, eps,
         a.stride(0), residual.stride(0), res_out.stride(0), h.stride(0),
         router_weight.stride(0), logits.stride(0),
-        BLOCK_H=block_h, BLOCK_E=block_e, num_warps=num_warps,
+        BLOCK_H=block_h, BLOCK_E=block_e, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
     )  # fmt: skip
     return res_out, h, logits

@@ -202,6 +202,7 @@ class DecodePrologue:
     k_weight: torch.Tensor | None = None
     eps: float = 0.0
     attention_factor: float = 1.0
+    pdl: bool = False  # the decode kernel launched with programmatic dependent launch
 
     def launch_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple, dict]:
         """(the decode kernel's prologue arguments, its constexprs), checked against the
@@ -223,7 +224,7 @@ class DecodePrologue:
         )  # fmt: skip
         consts = dict(
             PROLOGUE=True, HAS_NORM=self.q_weight is not None, HALF=d // 2, HALF_PAD=d // 2,
-            BLOCK_KV=min(16, triton.next_power_of_2(h_kv)),
+            BLOCK_KV=min(16, triton.next_power_of_2(h_kv)), PDL=self.pdl,
         )  # fmt: skip
         return args, consts
 
