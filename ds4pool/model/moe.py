@@ -147,7 +147,7 @@ class SparseMoeBlock(nn.Module):
         there are no shared experts; None elsewhere: the caller runs forward and the norm."""
         if not self._fuses_norms(x, ops):
             return None
-        return residual, self._decode(x, residual, norm)
+        return residual, self._decode(x, residual, norm, pdl=ops.pdl_on(x.device, "moe"))
 
     def _fuses_norms(self, x: torch.Tensor, ops: Any) -> bool:
         """Whether this step's norms around the block run inside its decode kernels: the
@@ -175,10 +175,11 @@ class SparseMoeBlock(nn.Module):
             return None
         from ds4pool.model.kernels.triton_moe_gate import add_norm_logits
 
+        pdl = ops.pdl_on(a.device, "moe")
         residual, h, logits = add_norm_logits(
-            a, residual, pre_norm.weight, pre_norm.eps, self.gate.weight
+            a, residual, pre_norm.weight, pre_norm.eps, self.gate.weight, pdl=pdl
         )
-        return residual, self._decode(h, residual, next_norm, logits)
+        return residual, self._decode(h, residual, next_norm, logits, pdl)
 
     def _takes_decode(self, x: torch.Tensor) -> bool:
         pairs = x.shape[0] * self.gate.moe.top_k
@@ -191,6 +192,7 @@ class SparseMoeBlock(nn.Module):
         residual: torch.Tensor | None = None,
         norm: RMSNorm | None = None,
         logits: torch.Tensor | None = None,
+        pdl: bool = False,  # the kernels launched with programmatic dependent launch
     ) -> torch.Tensor:
         """The decode kernels' output; with `residual` and `norm`, norm(residual += it)."""
         from ds4pool.model.kernels.triton_moe_decode import decode_experts
@@ -201,7 +203,7 @@ class SparseMoeBlock(nn.Module):
         out = decode_experts(
             x, weights, ids, groups, gate_up, down, self.decode_gemv_tokens, self.decode_config,
             residual=residual, norm_weight=None if norm is None else norm.weight,
-            eps=0.0 if norm is None else norm.eps, route=route,
+            eps=0.0 if norm is None else norm.eps, route=route, pdl=pdl,
         )  # fmt: skip
         if self.observer is not None:  # after: the gate_up launch may be what fills the ids
             self.observer(ids)
@@ -218,7 +220,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:  # [T, H] → [T, H]
         if self._takes_decode(x):
-            out = self._decode(x)
+            out = self._decode(x, pdl=ops is not None and ops.pdl_on(x.device, "moe"))
         else:
             weights, ids = self.gate(x)
             if self.observer is not None:

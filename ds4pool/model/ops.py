@@ -34,6 +34,11 @@ from ds4pool.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 class TorchOps:
     name = "torch"
 
+    def pdl_on(self, device: torch.device, kind: str) -> bool:
+        """Whether kernels of `kind` (PDL_KINDS) are launched with programmatic dependent
+        launch (TritonOps)."""
+        return False
+
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
@@ -139,6 +144,10 @@ class TritonOps(TorchOps):
         if rows and not rows.isdigit():
             raise DeviceError(f"DS4POOL_SKINNY_FUSE_ROWS={rows}: not a row count")
         self.fuse_max_rows = int(rows) if rows else skinny_configs.FUSE_MAX_ROWS
+        # programmatic dependent launch of the decode step's Triton kernels where the GPU has
+        # it, by kind (kernels/_pdl.py; DS4POOL_PDL=0: none, or kinds: to measure them)
+        self.pdl = pdl_kinds(os.environ.get("DS4POOL_PDL", ""))
+        self._pdl_devices: dict[torch.device, bool] = {}
 
     def linear(self, lin: nn.Module, x: torch.Tensor, act: bool = False) -> torch.Tensor:
         x, act = self._act_input(x, act)
@@ -146,7 +155,10 @@ class TritonOps(TorchOps):
         if launch is None:
             return super().linear(lin, x, act)
         cfg, ws = launch
-        return self._kl.skinny_linear(x, lin.weight, lin.bias, cfg, ws, act=act)
+        pdl, trigger = self._skinny_pdl(x.device, cfg)
+        return self._kl.skinny_linear(
+            x, lin.weight, lin.bias, cfg, ws, act=act, pdl=pdl, trigger=trigger
+        )
 
     def linear_add_rms_norm(
         self,
@@ -164,8 +176,29 @@ class TritonOps(TorchOps):
             return super().linear_add_rms_norm(lin, x, norm, residual, act)
         cfg, ws = launch
         add_norm = self._kl.AddNorm(residual, norm.weight, norm.eps)
-        h = self._kl.skinny_linear(x, lin.weight, lin.bias, cfg, ws, act=act, add_norm=add_norm)
+        pdl, trigger = self._skinny_pdl(x.device, cfg)
+        h = self._kl.skinny_linear(
+            x, lin.weight, lin.bias, cfg, ws, act=act, add_norm=add_norm, pdl=pdl, trigger=trigger
+        )
         return residual, h
+
+    def _skinny_pdl(self, device: torch.device, cfg: Any) -> tuple[bool, bool]:
+        """(launched with PDL, lets the next kernel start early) for a skinny-GEMM launch."""
+        kind = "dot" if cfg.dot else "balanced" if cfg.waves else "skinny"
+        pdl = self.pdl_on(device, kind)
+        return pdl, pdl or self.pdl_on(device, "trigger")
+
+    def pdl_on(self, device: torch.device, kind: str) -> bool:
+        """Whether this step's Triton kernels of `kind` on `device` are launched with PDL."""
+        assert kind in PDL_KINDS, kind
+        if kind not in self.pdl:
+            return False
+        known = self._pdl_devices.get(device)
+        if known is None:
+            from ds4pool.model.kernels import _pdl
+
+            known = self._pdl_devices[device] = _pdl.supported(device)
+        return known
 
     def _act_input(self, x: torch.Tensor, act: bool) -> tuple[torch.Tensor, bool]:
         # silu·mul in its own launch where the projection does not fuse it: the projection
@@ -277,9 +310,47 @@ class TritonOps(TorchOps):
         positions, inv_freq, factor = rope
         qw, kw, eps = _norm_weights(q_norm, k_norm)
         prologue = self._prologue.DecodePrologue(
-            k, v, positions, meta.slot_mapping, inv_freq, qw, kw, eps, factor
+            k,
+            v,
+            positions,
+            meta.slot_mapping,
+            inv_freq,
+            qw,
+            kw,
+            eps,
+            factor,
+            self.pdl_on(q.device, "decode"),
         )
         return fused(q, cache, meta, scale, prologue)
+
+
+# The kernels programmatic dependent launch may start early (kernels/_pdl.py), and the
+# default's: measured on the H200 (docs/BENCHMARKS.md, session 27), Qwen3-30B-A3B batch 1
+# 3.00 -> 2.75-2.78 ms with PDL, the 8B Llama's batch 1 4.18 -> 4.08 with the default's.
+# - "skinny": the skinny GEMM's one-row GEMV launches by column blocks (default);
+# - "balanced": its GEMV launches over a grid of SMs x waves (8B batch 1: 4.46 ms with them
+#   against 4.08 without; early programs land on the SMs unevenly);
+# - "dot": its tl.dot launches (8B batch 8: 4.65 against 4.55; its first tile is loaded
+#   outside the software pipeline);
+# - "trigger": every skinny-GEMM launch lets the next kernel start early, launched with PDL
+#   or not (default);
+# - "decode": the paged decode kernel with its prologue (8B batch 1: 4.27 against 4.17);
+# - "moe": the MoE decode path's gate, gate_up, down and combine (default).
+PDL_KINDS = ("skinny", "balanced", "dot", "trigger", "decode", "moe")
+PDL_DEFAULT = ("skinny", "trigger", "moe")
+
+
+def pdl_kinds(setting: str) -> frozenset[str]:
+    """DS4POOL_PDL: unset, "1" or "on" the default kinds, "0" or "off" none, else kinds
+    joined by "," or "+" (e.g. "skinny+moe")."""
+    if setting in ("", "1", "on"):
+        return frozenset(PDL_DEFAULT)
+    if setting in ("0", "off"):
+        return frozenset()
+    kinds = frozenset(k for k in setting.replace("+", ",").split(",") if k)
+    if not kinds or not kinds <= set(PDL_KINDS):
+        raise DeviceError(f"DS4POOL_PDL={setting}: not 0, 1 or kinds of {', '.join(PDL_KINDS)}")
+    return kinds
 
 
 def _skinny_table(setting: str) -> Any:

@@ -14,6 +14,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +307,38 @@ def test_a_bad_fusion_row_limit_is_one_line_error(monkeypatch: pytest.MonkeyPatc
     assert TritonOps().fuse_max_rows == 4
     monkeypatch.delenv("DS4POOL_SKINNY_FUSE_ROWS")
     assert TritonOps().fuse_max_rows == 1
+
+
+def test_pdl_kinds_by_setting_and_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DS4POOL_PDL: the default kinds, none, a list, or a one-line error; which skinny-GEMM
+    launches start early (GEMV by column blocks) and which only trigger the next kernel
+    (balanced, dot), and none off the GPUs that have PDL."""
+    import torch
+
+    from ds4pool.errors import DeviceError
+    from ds4pool.model.ops import PDL_DEFAULT, TritonOps, pdl_kinds
+
+    assert pdl_kinds("") == pdl_kinds("1") == pdl_kinds("on") == frozenset(PDL_DEFAULT)
+    assert pdl_kinds("0") == pdl_kinds("off") == frozenset()
+    assert pdl_kinds("skinny+moe") == pdl_kinds("moe,skinny") == {"skinny", "moe"}
+    for bad in ("yes", "skinny+fast", "+"):
+        with pytest.raises(DeviceError, match=f"DS4POOL_PDL={re.escape(bad)}: not 0, 1 or"):
+            pdl_kinds(bad)
+    monkeypatch.setenv("DS4POOL_PDL", "sometimes")
+    with pytest.raises(DeviceError, match="DS4POOL_PDL=sometimes"):
+        TritonOps()
+    monkeypatch.delenv("DS4POOL_PDL")
+    ops = TritonOps()
+    cuda = torch.device("cuda")
+    ops._pdl_devices[cuda] = True  # as on an H200, without one
+    gemv, balanced = SkinnyConfig(2, 1024, dot=False), SkinnyConfig(8, 1024, dot=False, waves=8)
+    dot = SkinnyConfig(32, 256)
+    assert ops._skinny_pdl(cuda, gemv) == (True, True)
+    assert ops._skinny_pdl(cuda, balanced) == ops._skinny_pdl(cuda, dot) == (False, True)
+    assert ops.pdl_on(cuda, "moe") and not ops.pdl_on(cuda, "decode")
+    ops.pdl = pdl_kinds("0")
+    assert ops._skinny_pdl(cuda, gemv) == (False, False)
+    assert not TritonOps().pdl_on(torch.device("cpu"), "skinny")
 
 
 def test_config_validation() -> None:
