@@ -36,6 +36,7 @@ from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.cpu_linear import pack_cpu_linears  # noqa: E402
 from ds4pool.model.device import blas_library, select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
+from ds4pool.model.ops import pdl_kinds  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
 
 
@@ -205,6 +206,15 @@ def bench_batch(
     return batch * steps / elapsed
 
 
+def pdl_setting(value: str) -> str:
+    """--pdl's values: DS4POOL_PDL's (model/ops.py pdl_kinds)."""
+    try:
+        pdl_kinds(value)
+    except DeviceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="random:100m")
@@ -249,6 +259,15 @@ def main() -> None:
         "several: an A/B in one run",
     )
     ap.add_argument(
+        "--pdl",
+        nargs="+",
+        type=pdl_setting,
+        default=["on"],
+        help="CUDA: the decode step's Triton kernels launched with programmatic dependent\n"
+        "launch: on (the server's kinds on Hopper), off, or kinds joined by + (skinny,\n"
+        "fused, decode, moe: model/ops.py PDL_KINDS); several: an A/B in one run",
+    )
+    ap.add_argument(
         "--cpu-linear",
         choices=["auto", "onednn", "torch"],
         default="auto",
@@ -284,6 +303,7 @@ def main() -> None:
         f"{weight_bytes / 1e9:.2f} GB weights ({read_bytes / 1e9:.2f} GB read per decode step), "
         f"CUDA graphs {'off' if args.no_cuda_graphs else 'on'}, blas {' '.join(args.blas)}, "
         f"launch {' '.join(args.launch)}, skinny {' '.join(args.skinny)}, "
+        f"pdl {' '.join(args.pdl)}, "
         f"linears {linear}, "
         f"torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
@@ -300,8 +320,11 @@ def main() -> None:
     launches = [
         ("ahead" if device.type == "cuda" else "sync") if m == "auto" else m for m in args.launch
     ]
-    variants = [(a, b, s) for a in args.backend for b in args.blas for s in args.skinny]
-    for backend, blas, skinny in variants:
+    variants = [
+        (a, b, s, p) for a in args.backend for b in args.blas for s in args.skinny
+        for p in args.pdl
+    ]  # fmt: skip
+    for backend, blas, skinny, pdl in variants:
         if default_blas is not None:  # the library is a process-wide setting: set per run
             torch.backends.cuda.preferred_blas_library(blas_library(blas, device) or default_blas)
         runner = ModelRunner(
@@ -316,8 +339,11 @@ def main() -> None:
             runner.model.ops.skinny_table = {}
         if skinny == "unfused" and hasattr(runner.model.ops, "fuse_act"):
             runner.model.ops.fuse_act = runner.model.ops.fuse_add_norm = False
+        if hasattr(runner.model.ops, "pdl"):
+            runner.model.ops.pdl = pdl_kinds(pdl)
         label = runner.backend.name + ("" if len(args.blas) == 1 else f" / {blas}")
         label += "" if len(args.skinny) == 1 else f" / skinny {skinny}"
+        label += "" if len(args.pdl) == 1 else f" / pdl {pdl}"
         for launch in launches:
             tag = label + ("" if len(launches) == 1 else f" / {launch}")
             for b in args.batch:

@@ -48,7 +48,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import bench_batch, copy_bandwidth, decode_steps, prefill_batch  # noqa: E402
+from bench.decode import (  # noqa: E402
+    bench_batch,
+    copy_bandwidth,
+    decode_steps,
+    pdl_setting,
+    prefill_batch,
+)
 from bench.profile_decode import kernel_table  # noqa: E402
 from ds4pool.kv.blocks import BlockPool  # noqa: E402
 from ds4pool.machine import cpu_name  # noqa: E402
@@ -56,6 +62,7 @@ from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.experts import DECODE_MAX_PAIRS, EXPERT_IMPLS, expert_impl  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.moe import DECODE_ROUTES, SparseMoeBlock  # noqa: E402
+from ds4pool.model.ops import pdl_kinds  # noqa: E402
 from ds4pool.model.runner import ModelRunner  # noqa: E402
 
 
@@ -206,6 +213,16 @@ def main() -> None:
         help="CUDA: the dense projections' skinny Triton GEMM where its table has the shape "
         "(on, as the server) or all on cuBLAS (off)",
     )
+    ap.add_argument(
+        "--pdl",
+        nargs="+",
+        default=["on"],
+        type=pdl_setting,
+        help="CUDA: the decode step's Triton kernels launched with programmatic dependent\n"
+        "launch: on (the server's kinds on Hopper), off, or kinds joined by + (skinny,\n"
+        "fused, decode, moe); several: an A/B in one run (a runner and its graphs each,\n"
+        "in the order given)",
+    )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
     ap.add_argument("--profile", action="store_true", help="print each batch's top kernels")
@@ -241,13 +258,20 @@ def main() -> None:
     num_blocks = -(-(args.prompt_len + max(args.steps, 5) + 3) // bs) * max(args.batch) + 1
     common = {"num_blocks": num_blocks, "block_size": bs, "backend": args.backend}
     max_batch = max(64, max(args.batch))
-    runner = ModelRunner(
-        loaded, **common, cuda_graphs=not args.no_cuda_graphs, max_decode_batch=max_batch
-    )
     counter = ModelRunner(loaded, **common, cuda_graphs=False, max_decode_batch=max_batch)
-    # after both runners are made (each sets the shared model's ops), before any capture
-    if args.skinny == "off" and hasattr(loaded.model.ops, "skinny_table"):
-        loaded.model.ops.skinny_table = {}
+
+    def timed_runner(pdl: str) -> ModelRunner:
+        runner = ModelRunner(
+            loaded, **common, cuda_graphs=not args.no_cuda_graphs, max_decode_batch=max_batch
+        )
+        # after the runner is made (it sets the shared model's ops), before any capture
+        if args.skinny == "off" and hasattr(loaded.model.ops, "skinny_table"):
+            loaded.model.ops.skinny_table = {}
+        if hasattr(loaded.model.ops, "pdl"):
+            loaded.model.ops.pdl = pdl_kinds(pdl)
+        return runner
+
+    runner = timed_runner(args.pdl[0])
     bandwidth = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
@@ -258,7 +282,8 @@ def main() -> None:
         f"{total / 1e9:.2f} GB weights: {moe.num_experts} experts x {wb.sparse_layers} layers "
         f"of {wb.expert / 1e6:.2f} MB, top-{moe.top_k}; {wb.dense / 1e9:.2f} GB non-expert read "
         f"per step; experts {impl} (decode route {args.decode_route}), gate {args.gate}, "
-        f"attention {runner.backend.name}, launch {args.launch}, skinny {args.skinny}, CUDA graphs "
+        f"attention {runner.backend.name}, launch {args.launch}, skinny {args.skinny}, "
+        f"pdl {' '.join(args.pdl)}, CUDA graphs "
         f"{'on' if runner.graphs is not None else 'off'}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}, load {load_s:.1f}s, {date.today()}"
     )
@@ -270,31 +295,41 @@ def main() -> None:
     mean_ctx = args.prompt_len + 2 + args.steps / 2
     ahead = args.launch == "ahead" or (args.launch == "auto" and device.type == "cuda")
     rows = []
-    for b in args.batch:
-        tps = bench_batch(runner, b, args.prompt_len, args.steps, ahead)
-        distinct = count_expert_hits(counter, b, args.prompt_len, args.steps)
-        rows.append((b, tps, distinct))
-        path = expert_impl(device, dtype, args.experts, b * top_k, max_pairs)
-        print(
-            f"# batch {b}: {tps:.1f} tok/s, {distinct:.1f} distinct experts/layer, experts {path}",
-            flush=True,
-        )
-        if args.profile and device.type == "cuda":
-            profile_batch(runner, b, args.prompt_len, args.top)
+    distinct = {}
+    for i, pdl in enumerate(args.pdl):
+        if i:  # a runner (and graphs) of its own, the last one's freed first
+            del runner
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            runner = timed_runner(pdl)
+        label = "" if len(args.pdl) == 1 else f" (pdl {pdl})"
+        for b in args.batch:
+            tps = bench_batch(runner, b, args.prompt_len, args.steps, ahead)
+            if b not in distinct:
+                distinct[b] = count_expert_hits(counter, b, args.prompt_len, args.steps)
+            rows.append((label, b, tps, distinct[b]))
+            path = expert_impl(device, dtype, args.experts, b * top_k, max_pairs)
+            print(
+                f"# batch {b}{label}: {tps:.1f} tok/s, {distinct[b]:.1f} distinct experts/layer, "
+                f"experts {path}",
+                flush=True,
+            )
+            if args.profile and device.type == "cuda":
+                profile_batch(runner, b, args.prompt_len, args.top)
     print(
         "| batch | tok/s | ms/step | experts read / layer / step | expert MB / token "
         "| weight MB / token | weight-roofline tok/s | % of it | % of weight+KV roofline |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     per_token = {}
-    for b, tps, distinct in rows:
-        step_bytes = wb.per_step(distinct)
-        expert_token = distinct * wb.sparse_layers * wb.expert / b
+    for label, b, tps, hits in rows:
+        step_bytes = wb.per_step(hits)
+        expert_token = hits * wb.sparse_layers * wb.expert / b
         per_token[b] = (expert_token, step_bytes / b)
         roof = b * bandwidth / step_bytes
         roof_kv = b * bandwidth / (step_bytes + b * mean_ctx * kv_per_token)
         print(
-            f"| {b} | {tps:.1f} | {b / tps * 1e3:.2f} | {distinct:.1f} of {moe.num_experts} "
+            f"| {b}{label} | {tps:.1f} | {b / tps * 1e3:.2f} | {hits:.1f} of {moe.num_experts} "
             f"| {expert_token / 1e6:.1f} | {step_bytes / b / 1e6:.1f} | {roof:.0f} "
             f"| {100 * tps / roof:.0f}% | {100 * tps / roof_kv:.0f}% |",
             flush=True,
