@@ -36,7 +36,7 @@ from ds4pool.machine import cpu_name  # noqa: E402
 from ds4pool.model.cpu_linear import pack_cpu_linears  # noqa: E402
 from ds4pool.model.device import blas_library, select_device, select_dtype  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
-from ds4pool.model.ops import pdl_kinds  # noqa: E402
+from ds4pool.model.ops import PDL_KINDS, pdl_kinds  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
 
 
@@ -264,8 +264,8 @@ def main() -> None:
         type=pdl_setting,
         default=["on"],
         help="CUDA: the decode step's Triton kernels launched with programmatic dependent\n"
-        "launch: on (the server's kinds on Hopper), off, or kinds joined by + (skinny,\n"
-        "fused, decode, moe: model/ops.py PDL_KINDS); several: an A/B in one run",
+        "launch: on (the server's kinds on Hopper), off, or kinds joined by + (of\n"
+        f"{', '.join(PDL_KINDS)}: model/ops.py);\nseveral: an A/B in one run",
     )
     ap.add_argument(
         "--cpu-linear",

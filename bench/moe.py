@@ -62,7 +62,7 @@ from ds4pool.model.device import select_device, select_dtype  # noqa: E402
 from ds4pool.model.experts import DECODE_MAX_PAIRS, EXPERT_IMPLS, expert_impl  # noqa: E402
 from ds4pool.model.loader import LoadedModel, load_model  # noqa: E402
 from ds4pool.model.moe import DECODE_ROUTES, SparseMoeBlock  # noqa: E402
-from ds4pool.model.ops import pdl_kinds  # noqa: E402
+from ds4pool.model.ops import PDL_KINDS, pdl_kinds  # noqa: E402
 from ds4pool.model.runner import ModelRunner  # noqa: E402
 
 
@@ -219,9 +219,8 @@ def main() -> None:
         default=["on"],
         type=pdl_setting,
         help="CUDA: the decode step's Triton kernels launched with programmatic dependent\n"
-        "launch: on (the server's kinds on Hopper), off, or kinds joined by + (skinny,\n"
-        "fused, decode, moe); several: an A/B in one run (a runner and its graphs each,\n"
-        "in the order given)",
+        "launch: on (the server's kinds on Hopper), off, or kinds joined by + (of\n"
+        f"{', '.join(PDL_KINDS)});\nseveral: an A/B in one run (a runner and graphs each)",
     )
     ap.add_argument("--routing", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
