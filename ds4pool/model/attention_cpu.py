@@ -123,10 +123,11 @@ def _runs(
     tables: torch.Tensor,  # [Bd, max_blocks] int64
     firsts: list[int],
     counts: list[int],  # row i reads tables[i, firsts[i] : firsts[i] + counts[i]]
-    max_runs: int,
+    max_runs: int | None,
 ) -> list[list[tuple[int, int, int]] | None]:
     """Per row: the runs of consecutive block ids among the blocks it reads, as (first
-    column, end column, first block id), in column order; None for a row of more runs.
+    column, end column, first block id), in column order; None for a row of more runs
+    than max_runs (None: every row's runs).
 
     Tensor ops over the whole table instead of a python loop over its ids: tables of long
     contexts hold thousands of ids per row; only the breaks between runs come to python.
@@ -141,7 +142,7 @@ def _runs(
     starts = [[f] for f in firsts]  # per row: the columns where its runs start
     for row, c in breaks.tolist():  # sorted by row, then column
         starts[row].append(c + 1)
-    kept = [i for i, st in enumerate(starts) if len(st) <= max_runs]
+    kept = [i for i, st in enumerate(starts) if max_runs is None or len(st) <= max_runs]
     rows = torch.tensor([i for i in kept for _ in starts[i]], dtype=torch.int64)
     cols = torch.tensor([c for i in kept for c in starts[i]], dtype=torch.int64)
     ids = iter(tables[rows.to(device), cols.to(device)].tolist())
@@ -160,70 +161,163 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [Bd, H, D]
+    """Each row is cut into pieces by its own table only (never by its neighbours'):
+    - a row of few blocks is gathered (a copy of its blocks, in groups of rows);
+    - a row of at most MAX_RUNS runs of consecutive blocks: each run a piece, in place;
+    - a row of more runs whose first run is long (agents on one system prompt: the shared
+      prefix's blocks, then their own blocks between the other rows'): that run in place,
+      the rest gathered as one piece; else the whole row gathered.
+    A row's pieces are merged by their log-sum-exp. Rows whose in-place piece is the same
+    slice of the cache (the shared prefix) are attended in one call with the slice as a
+    stride-0 batch: the kernel reads it from cache for every row after the first, and each
+    row's result is the same bits as its call alone."""
     _, _, bs, h_kv, d = cache.shape
     bd, num_heads = q.shape[0], q.shape[1]
     group_q = q.view(bd, h_kv, num_heads // h_kv, d)  # [Bd, H_kv, G, D]
     firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
     counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
-    runs = _runs(tables, firsts, counts, MAX_RUNS)
+    runs = _runs(tables, firsts, counts, None)
     out = torch.empty_like(q)
     gathered = []  # rows read through a copy: too many runs of ids, or too few blocks
+    tails: dict[int, int] = {}  # row -> first column of the part gathered after its first run
+    slices: dict[tuple[int, int], list[int]] = {}  # cache slots [a, b) -> rows that read them
+    row_slices: list[list[tuple[int, int]]] = [[] for _ in range(bd)]
     for i, ctx in enumerate(context_lens):
         row_runs = runs[i]
-        if row_runs is None or counts[i] < VIEW_MIN_BLOCKS:
+        assert row_runs is not None
+        if counts[i] < VIEW_MIN_BLOCKS:
             gathered.append(i)
             continue
+        if len(row_runs) > MAX_RUNS:
+            if row_runs[0][1] - row_runs[0][0] < VIEW_MIN_BLOCKS:
+                gathered.append(i)
+                continue
+            tails[i] = row_runs[0][1]
+            row_runs = row_runs[:1]
         lo = max(0, ctx - sliding_window) if sliding_window else 0
-        out[i] = _attend_runs(group_q[i : i + 1], cache, row_runs, lo, ctx, scale)[0]
+        for col_a, col_b, block in row_runs:
+            base = (block - col_a) * bs  # slot of position 0, were this run extended back
+            p0, p1 = max(lo, col_a * bs), min(ctx, col_b * bs)  # its visible positions
+            key = (base + p0, base + p1)
+            slices.setdefault(key, []).append(i)
+            row_slices[i].append(key)
+    parts: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
+    heads_k, heads_v = _slot_heads(cache[0]), _slot_heads(cache[1])  # [H_kv, slots, D]
+    for (a, b), rows in slices.items():
+        keys = heads_k[:, a:b][None].expand(len(rows), -1, -1, -1)  # [R, H_kv, C, D] views
+        values = heads_v[:, a:b][None].expand(len(rows), -1, -1, -1)
+        o, lse = _flash(_rows(group_q, rows), keys, values, None, scale)
+        for r, row in enumerate(rows):
+            parts[row, (a, b)] = o[r], lse[r]
+    tail_parts = _gather_pieces(
+        group_q, cache, tables, context_lens, tails, bs, sliding_window, scale
+    )
+    for i in range(bd):
+        if not row_slices[i]:
+            continue
+        pieces = [parts[i, key] for key in row_slices[i]]
+        if i in tails:
+            pieces.append(tail_parts[i])
+        out[i] = _merge(pieces, q.dtype).reshape(num_heads, d)
     block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
     for sub in decode_groups([counts[i] for i in gathered], block_bytes):
         group = [gathered[k] for k in sub]
         n = counts[group[0]]
         rows = torch.tensor(group, dtype=torch.int64, device=q.device)  # [g]
-        first = torch.tensor([firsts[i] for i in group], dtype=torch.int64, device=q.device)
-        cols = (first[:, None] + torch.arange(n, device=q.device)[None, :]).clamp_(
-            max=tables.shape[1] - 1
-        )  # [g, n]; columns past a shorter sequence's end are masked below
-        blocks = tables.index_select(0, rows).gather(1, cols).flatten()  # [g * n]
-        keys = _gather_heads(cache[0], blocks).view(h_kv, len(group), n * bs, d).transpose(0, 1)
-        values = _gather_heads(cache[1], blocks).view(h_kv, len(group), n * bs, d).transpose(0, 1)
+        keys, values = _gather_rows(cache, tables, rows, [firsts[i] for i in group], n)
         mask = _decode_mask(group, context_lens, firsts, n * bs, bs, sliding_window, q.device)
         o = _sdpa(group_q.index_select(0, rows), keys, values, mask, scale)
         out.index_copy_(0, rows, o)
     return out
 
 
-def _attend_runs(
-    q: torch.Tensor,  # [1, H_kv, G, D]
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] along dim 0: a slice where they are consecutive, else a copy."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[rows[0] : rows[0] + len(rows)]
+    return x.index_select(0, torch.tensor(rows, dtype=torch.int64, device=x.device))
+
+
+def _gather_rows(
     cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
-    runs: list[tuple[int, int, int]],  # (first column, end column, first block id)
-    lo: int,  # keys at positions [lo, ctx) are visible
-    ctx: int,
+    tables: torch.Tensor,  # [Bd, max_blocks]
+    rows: torch.Tensor,  # [g] rows of tables
+    firsts: list[int],  # per row: its first column to gather
+    n: int,  # columns per row (past a row's end: clamped, masked by the caller)
+) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values [g, H_kv, n * bs, D]
+    _, _, bs, h_kv, d = cache.shape
+    g = rows.numel()
+    first = torch.tensor(firsts, dtype=torch.int64, device=tables.device)
+    cols = (first[:, None] + torch.arange(n, device=tables.device)[None, :]).clamp_(
+        max=tables.shape[1] - 1
+    )  # [g, n]
+    blocks = tables.index_select(0, rows).gather(1, cols).flatten()  # [g * n]
+    keys = _gather_heads(cache[0], blocks).view(h_kv, g, n * bs, d).transpose(0, 1)
+    values = _gather_heads(cache[1], blocks).view(h_kv, g, n * bs, d).transpose(0, 1)
+    return keys, values
+
+
+def _gather_pieces(
+    group_q: torch.Tensor,  # [Bd, H_kv, G, D]
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: Sequence[int],
+    tails: dict[int, int],  # row -> first column of its gathered piece (to its context's end)
+    bs: int,
+    sliding_window: int | None,
     scale: float,
-) -> torch.Tensor:  # [1, H, D]
-    """One row attended in place: each run of consecutive blocks is a contiguous slice of
-    the cache, cut to exactly its visible keys (no mask, no copy). Several runs (a shared
-    prefix's blocks, then the row's own) are attended one by one and merged by their
-    log-sum-exp: the row's softmax over all its keys, exactly, up to float rounding."""
-    bs = cache.shape[2]
-    pieces = []
-    for col_a, col_b, block in runs:
-        base = (block - col_a) * bs  # slot of position 0, were this run extended back
-        p0, p1 = max(lo, col_a * bs), min(ctx, col_b * bs)  # its visible positions
-        keys = _slot_heads(cache[0])[:, base + p0 : base + p1][None]  # [1, H_kv, C', D]
-        values = _slot_heads(cache[1])[:, base + p0 : base + p1][None]
-        pieces.append((keys, values))
-    if len(pieces) == 1:
-        return _sdpa(q, *pieces[0], None, scale)
-    # The fused kernel behind scaled_dot_product_attention, which also returns each query's
-    # log-sum-exp of its scores [1, H_kv, G] (fp32).
-    parts = [
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        for k, v in pieces
-    ]
-    weights = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [R, 1, H_kv, G]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # row -> (o [H_kv, G, D], lse [H_kv, G])
+    """The gathered pieces of rows whose first run is attended in place, in decode groups."""
+    rows_of = list(tails)
+    if not rows_of:
+        return {}
+    device = group_q.device
+    starts = [tails.get(i, 0) for i in range(len(context_lens))]  # per row, as _decode_mask
+    counts = [-(-context_lens[i] // bs) - tails[i] for i in rows_of]
+    block_bytes = 2 * bs * cache.shape[3] * cache.shape[4] * cache.element_size()
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for sub in decode_groups(counts, block_bytes):
+        group = [rows_of[k] for k in sub]
+        n = counts[sub[0]]
+        rows = torch.tensor(group, dtype=torch.int64, device=device)
+        keys, values = _gather_rows(cache, tables, rows, [starts[i] for i in group], n)
+        # (a window starts inside the first run, before any gathered key: only ends matter)
+        mask = _decode_mask(group, context_lens, starts, n * bs, bs, None, device)
+        o, lse = _flash(group_q.index_select(0, rows), keys, values, mask, scale)
+        for r, row in enumerate(group):
+            parts[row] = o[r], lse[r]
+    return parts
+
+
+def _flash(
+    q: torch.Tensor,  # [g, H_kv, G, D]
+    keys: torch.Tensor,  # [g, H_kv, L, D]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [g, H_kv, G, D], lse [g, H_kv, G] float32
+    """The fused kernel behind scaled_dot_product_attention, which also returns each query's
+    log-sum-exp of its scores (a bool mask goes in as 0 / -inf, as sdpa passes it)."""
+    float_mask = None
+    if mask is not None:
+        float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        float_mask.masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, keys, values, 0.0, False, attn_mask=float_mask, scale=scale
+    )
+
+
+def _merge(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],  # (o [H_kv, G, D], lse [H_kv, G])
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [H_kv, G, D]
+    """One row's pieces (disjoint sets of its keys) as its softmax over all of them: each
+    piece's output weighted by the share of its log-sum-exp, exactly up to rounding."""
+    if len(parts) == 1:
+        return parts[0][0]
+    weights = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [R, H_kv, G]
     o = (torch.stack([o.float() for o, _ in parts]) * weights[..., None]).sum(0)
-    return o.to(q.dtype).reshape(1, -1, q.shape[3])  # [1, H_kv, G, D] -> [1, H, D]
+    return o.to(dtype)
 
 
 def _slot_heads(plane: torch.Tensor) -> torch.Tensor:  # [H_kv, (N + 1) * bs, D]

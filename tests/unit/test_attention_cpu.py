@@ -156,3 +156,78 @@ def test_rows_on_a_shared_prefix_are_attended_in_place_and_exactly(
     monkeypatch.setattr(attention_cpu, "_gather_heads", no_gather)
     fast = TorchPagedAttention().forward(q, k, v, cache, meta, D**-0.5)
     assert (fast - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+@pytest.mark.parametrize("window", [None, 190])
+def test_agents_on_a_shared_prefix_read_it_in_place_once_a_layer(
+    window: int | None, head_major: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Agents on one system prompt, as a server's tables look after their prompts and replies
+    # were written in turns: the shared prefix's run, then each row's own blocks between the
+    # other rows' (one run each, more than MAX_RUNS). The prefix is attended in place for
+    # every row in one kernel call (a stride-0 batch), only the rows' own blocks are copied;
+    # the result is the reference's, and each row's bits are the same alone as in the batch
+    # (their own parts are of one length: no padding in the gathered group).
+    h_kv, group, prefix, own, rows = 2, 3, 50, 6, 5
+    assert prefix >= attention_cpu.VIEW_MIN_BLOCKS and own > attention_cpu.MAX_RUNS
+    gen = torch.Generator().manual_seed(8)
+    # (block `prefix` is someone else's: no row's own blocks continue the prefix's run)
+    tables = [
+        list(range(prefix)) + [prefix + 1 + r + rows * j for j in range(own)] for r in range(rows)
+    ]
+    lens = [(prefix + own) * BS - 1] * rows
+    num_blocks = prefix + rows * own + 2
+    ref_cache = torch.randn(2, num_blocks, BS, h_kv, D, generator=gen)
+    cache = ref_cache.clone()
+    if head_major:
+        cache = torch.empty(2, h_kv, num_blocks, BS, D).permute(0, 2, 3, 1, 4).copy_(cache)
+    q = torch.randn(rows, group * h_kv, D, generator=gen)
+    k, v = torch.randn(2, rows, h_kv, D, generator=gen)
+    meta = build_metadata([1] * rows, lens, tables, BS, torch.device("cpu"), window)
+    ref = TorchPagedAttention(cpu_kernels=False).forward(q, k, v, ref_cache.clone(), meta, D**-0.5)
+    gathered: list[int] = []
+    gather = attention_cpu._gather_heads
+    flash = attention_cpu._flash
+    calls: list[int] = []
+
+    def counting_gather(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        gathered.append(blocks.numel())
+        return gather(plane, blocks)
+
+    def counting_flash(q_: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(q_.shape[0])
+        return flash(q_, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_cpu, "_gather_heads", counting_gather)
+    monkeypatch.setattr(attention_cpu, "_flash", counting_flash)
+    fast = TorchPagedAttention().forward(q, k, v, cache, meta, D**-0.5)
+    assert (fast - ref).abs().max().item() < 1e-5
+    assert max(gathered) <= rows * own  # K and V of the rows' own blocks, never the prefix
+    assert calls[0] == rows  # the prefix: one call for all the rows, before the own parts
+    for r in range(rows):
+        alone = build_metadata(
+            [1], lens[r : r + 1], tables[r : r + 1], BS, torch.device("cpu"), window
+        )
+        one = TorchPagedAttention().forward(
+            q[r : r + 1], k[r : r + 1], v[r : r + 1], cache, alone, D**-0.5
+        )
+        assert torch.equal(one[0], fast[r]), r
+
+
+def test_a_row_of_one_run_gets_the_fused_kernels_bits() -> None:
+    """In place, a row of one run goes through the kernel that returns log-sum-exps (to be
+    merged with other pieces where there are any): alone its output is the same bits as
+    scaled_dot_product_attention's over the same keys."""
+    gen = torch.Generator().manual_seed(2)
+    h_kv, group, n = 2, 3, 40
+    cache = torch.randn(2, n + 1, BS, h_kv, D, generator=gen)
+    q = torch.randn(1, group * h_kv, D, generator=gen)
+    ctx = n * BS - 2
+    out = attention_cpu.paged_decode(q, cache, torch.arange(n + 1)[None], [ctx], D**-0.5)
+    keys = cache[0].flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
+    values = cache[1].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, h_kv, group, D), keys, values, scale=D**-0.5
+    )
+    assert torch.equal(out, want.reshape(1, group * h_kv, D))
