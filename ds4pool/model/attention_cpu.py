@@ -209,9 +209,7 @@ def paged_decode(
         o, lse = _flash(_rows(group_q, rows), keys, values, None, scale)
         for r, row in enumerate(rows):
             parts[row, (a, b)] = o[r], lse[r]
-    tail_parts = _gather_pieces(
-        group_q, cache, tables, context_lens, tails, bs, sliding_window, scale
-    )
+    tail_parts = _gather_pieces(group_q, cache, tables, context_lens, tails, scale)
     for i in range(bd):
         if not row_slices[i]:
             continue
@@ -263,15 +261,13 @@ def _gather_pieces(
     tables: torch.Tensor,
     context_lens: Sequence[int],
     tails: dict[int, int],  # row -> first column of its gathered piece (to its context's end)
-    bs: int,
-    sliding_window: int | None,
     scale: float,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # row -> (o [H_kv, G, D], lse [H_kv, G])
     """The gathered pieces of rows whose first run is attended in place, in decode groups."""
     rows_of = list(tails)
     if not rows_of:
         return {}
-    device = group_q.device
+    device, bs = group_q.device, cache.shape[2]
     starts = [tails.get(i, 0) for i in range(len(context_lens))]  # per row, as _decode_mask
     counts = [-(-context_lens[i] // bs) - tails[i] for i in rows_of]
     block_bytes = 2 * bs * cache.shape[3] * cache.shape[4] * cache.element_size()
