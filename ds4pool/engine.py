@@ -100,6 +100,9 @@ class EngineConfig:
     # onednn where it works (CPU, float32), torch is F.linear. oneDNN keeps a primitive per
     # distinct row count; PackedLinear's row buckets bound them to 28 per weight shape
     cpu_linear: str = "auto"
+    # CPU: torch's intra-op threads for this process (None: torch's own, one per core);
+    # `ds4pool serve` leaves one core to its HTTP side (threads.server_cpu_threads)
+    cpu_threads: int | None = None
     # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"
@@ -129,6 +132,8 @@ class EngineConfig:
             check_factor(self.itl_budget_factor)
         if self.blas not in BLAS_LIBRARIES:
             raise ValueError(f"blas must be one of {', '.join(BLAS_LIBRARIES)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be >= 1")
         if self.cpu_linear not in CPU_LINEAR_MODES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_MODES)}")
         if self.cuda_graphs not in GRAPH_MODES:
@@ -220,6 +225,8 @@ class Engine:
             )
         self.loaded = loaded
         select_blas(cfg.blas, loaded.device)  # before the warm-up and graph captures
+        if cfg.cpu_threads is not None and loaded.device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads)  # process-wide, as the BLAS choice
         # once, before the runner's warm-up; the packed weights replace the dense ones
         self.cpu_linear = pack_cpu_linears(
             loaded.model, cfg.cpu_linear, loaded.device, loaded.dtype

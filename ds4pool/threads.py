@@ -11,7 +11,7 @@ OMP_WAIT_POLICY=PASSIVE. A value the user exported wins (ACTIVE for a dedicated 
 from __future__ import annotations
 
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 THREAD_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -27,3 +27,25 @@ def apply_thread_env(environ: MutableMapping[str, str]) -> dict[str, str]:
     applied = {k: v for k, v in THREAD_ENV_DEFAULTS.items() if k not in environ}
     environ.update(applied)
     return applied
+
+
+def server_cpu_threads(setting: str, torch_default: int, environ: Mapping[str, str]) -> int | None:
+    """Intra-op threads for torch's CPU kernels in `ds4pool serve` (None: leave torch's own).
+
+    `auto` leaves one core to the server's other threads (the HTTP event loop streaming every
+    token, tokenization, persistence): with one OpenMP thread per core they preempt a team
+    member in the middle of a parallel region and the whole team waits. On the 2-core VM, 16
+    agents (docs/BENCHMARKS.md "one core left to the server"): one thread gave a lower ITL
+    and more tokens per second than two, for less CPU time. An exported OMP_NUM_THREADS
+    wins over `auto`; a number wins over both. Bad values raise ValueError (one line)."""
+    if setting == "auto":
+        if environ.get("OMP_NUM_THREADS"):
+            return None
+        return max(1, torch_default - 1)
+    try:
+        n = int(setting)
+    except ValueError:
+        raise ValueError(f"cpu_threads must be 'auto' or a number >= 1, not {setting!r}") from None
+    if n < 1:
+        raise ValueError(f"cpu_threads must be 'auto' or a number >= 1, not {setting!r}")
+    return n

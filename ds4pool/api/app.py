@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import torch
 from litestar import HttpMethod, Litestar, Response, get, route
 from litestar import Request as HttpRequest
 from litestar.datastructures import State
@@ -68,9 +69,11 @@ def startup_summary(state: ApiState, engine: Engine) -> str:
         if (cfg.engine.kv_disk_dir)
         else "off"
     )
+    n = torch.get_num_threads()
+    cpu_threads = f" ({n} thread{'s' * (n != 1)})" if loaded.device.type == "cpu" else ""
     return (
         f"ds4pool {__version__}: model {state.model_name} ({loaded.config.architecture}) on "
-        f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}; KV device "
+        f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}{cpu_threads}; KV device "
         f"{engine.runner.kv_bytes / gb:.2f} GB ({engine.runner.num_blocks} blocks of "
         f"{engine.runner.block_size}), RAM {usage.ram_budget_bytes / gb:.1f} GB, disk {disk}; "
         f"batching {'off' if cfg.engine.no_batching else 'on'}; auth "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -73,6 +74,10 @@ def test_sigterm_flushes_sessions_and_a_restart_resumes_them(
     finally:
         log = stop(proc)
     assert "model" in log and "KV device" in log  # the startup summary
+    threads = re.search(r"on cpu float32 \((\d+) threads?\)", log)
+    assert threads, log  # on CPU it names the model's threads: auto leaves one core free
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert 1 <= int(threads[1]) <= max(1, (os.cpu_count() or 1) - 1)
     assert "session=survivor" in log and "cached=0" in log  # one line per request
     assert list((tmp_path / "kv").glob("*.snap")), "sessions were not flushed at shutdown"
 
@@ -128,6 +133,7 @@ def test_start_up_refusals_are_one_line(demo_dir: Path, tmp_path: Path) -> None:
         taken.listen()
         port = str(taken.getsockname()[1])
         assert_one_line(serve_refused(demo_dir, "--port", port), port)
+    assert_one_line(serve_refused(demo_dir, "--cpu-threads", "0", "--port", "0"), "cpu_threads")
 
 
 def test_unusable_disk_dir_is_one_line(

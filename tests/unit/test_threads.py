@@ -46,3 +46,16 @@ def test_no_effect_after_torch_loaded() -> None:
 
     environ: dict[str, str] = {}
     assert apply_thread_env(environ) == {} and environ == {}
+
+
+def test_a_server_leaves_one_core_to_its_http_side() -> None:
+    from ds4pool.threads import server_cpu_threads
+
+    assert server_cpu_threads("auto", 2, {}) == 1  # the 2-core box: one model thread
+    assert server_cpu_threads("auto", 16, {}) == 15
+    assert server_cpu_threads("auto", 1, {}) == 1  # never zero
+    assert server_cpu_threads("auto", 8, {"OMP_NUM_THREADS": "4"}) is None  # the user's
+    assert server_cpu_threads("3", 8, {"OMP_NUM_THREADS": "4"}) == 3  # a number wins
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(ValueError, match="cpu_threads must be 'auto' or a number"):
+            server_cpu_threads(bad, 8, {})
