@@ -42,10 +42,6 @@ def server_cpu_threads(setting: str, torch_default: int, environ: Mapping[str, s
         if environ.get("OMP_NUM_THREADS"):
             return None
         return max(1, torch_default - 1)
-    try:
-        n = int(setting)
-    except ValueError:
-        raise ValueError(f"cpu_threads must be 'auto' or a number >= 1, not {setting!r}") from None
-    if n < 1:
+    if not setting.isdecimal() or int(setting) < 1:
         raise ValueError(f"cpu_threads must be 'auto' or a number >= 1, not {setting!r}")
-    return n
+    return int(setting)
