@@ -429,9 +429,12 @@ def test_rows_that_need_their_token_on_the_host_never_go_ahead(loaded: LoadedMod
                 sampling=penalised if i == 1 else GREEDY)
         for i in range(3)
     ]  # fmt: skip
+    # the three arrive in one step (a coalescing window), so they decode and end together
+    # whatever the machine's load: one admitted a step late would decode its last step alone
+    burst = 200_000
     runs, fed_counts = [], []
     for overlap in ("off", "ahead"):
-        e = engine(loaded, overlap)
+        e = engine(loaded, overlap, coalesce_us=burst)
         fed = count_fed(e)
         try:
             runs.append(run_all(e, reqs))
@@ -440,7 +443,7 @@ def test_rows_that_need_their_token_on_the_host_never_go_ahead(loaded: LoadedMod
         fed_counts.append(fed[0])
     assert runs[1] == runs[0]
     assert fed_counts == [0, 0]
-    e = engine(loaded, "ahead")  # without the penalty the same batch does go ahead
+    e = engine(loaded, "ahead", coalesce_us=burst)  # without the penalty it does go ahead
     fed = count_fed(e)
     try:
         run_all(e, [dataclasses.replace(r, sampling=GREEDY) for r in reqs])
