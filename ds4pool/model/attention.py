@@ -19,7 +19,7 @@ it at its persistent device buffers (`ds4pool/model/input_batch.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -60,6 +60,9 @@ class AttentionMetadata:
     # A fixed split-K factor for the prefill kernel (captured mixed-step graphs); None lets
     # the backend pick one from the step's host-side counts.
     prefill_partitions: int | None = None
+    # What a backend derives from this metadata on a step's first layer and reuses on the
+    # others (the CPU decode plan: attention_cpu.plan_decode); a new metadata starts empty.
+    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:

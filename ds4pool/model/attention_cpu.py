@@ -23,10 +23,20 @@ numbers are in docs/BENCHMARKS.md):
   contiguous rows, far faster than advanced indexing) in groups of a few MiB, so that the
   copy is still in cache when the kernel reads it (a group of 16 at 1.5k tokens was ~2x
   slower than groups of 2); lengths are grouped so that padding stays under a quarter.
+- Rows on one slice of the cache (agents on one system prompt) are attended in one call
+  with their queries stacked FOLD_QUERIES to a batch entry: the kernel runs its GEMMs on
+  that many queries per key block instead of one row's G, 2-3x faster per layer on a long
+  shared prefix (docs/BENCHMARKS.md "stacked prefix queries").
+- Every layer of a step reads the same tables: the plan of calls (plan_decode: runs, groups,
+  gather indices, masks) is made once a step and kept on the step's metadata; the layers
+  only run it (run_decode), and merge every row's pieces in one vectorised op.
 
 Numerics: a sequence's output is its own softmax over its own keys; padding keys are masked
-to -inf and add exact zeros, so the result does not depend on its batch neighbours beyond
-float rounding of the kernel's tiling.
+to -inf and add exact zeros. With one thread a row's bits do not depend on its neighbours
+where its pieces are of the same lengths (its in-place pieces always: the stacked entries
+are of a constant size; its gathered piece if its group needs no padding). With more threads
+the kernel's split of a call across them can change the last bits with the call's batch
+size (seen on a 2-core EPYC), as padding does: within float rounding of the kernel's tiling.
 
 Shapes: Bd = decode sequences, H = query heads, H_kv = key/value heads, G = H / H_kv,
 D = head_dim, bs = block_size, n = blocks gathered per sequence in a group, L = n * bs.
@@ -35,6 +45,7 @@ D = head_dim, bs = block_size, n = blocks gathered per sequence in a group, L = 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +72,14 @@ VIEW_MIN_BLOCKS = 32
 # tokens in place 15.7 vs 28.2 ms per layer for main's gather; 6 runs at 875 tokens (prefix,
 # prompt, decode blocks, a second turn) in place 16-19 vs 13-14 gathered head-major.
 MAX_RUNS = 4
+# Rows whose in-place piece is one slice of the cache (agents on one system prompt) are
+# attended in one kernel call with their queries stacked about this many to a batch entry
+# (fold_rows): the kernel's GEMMs then run that many queries against each key block read,
+# where one row's G queries alone (3 at the m77 shapes) take its slow few-row path.
+# Measured (m77 shapes, 16 rows, 1 thread, per layer): a 2,400-key prefix 26 ms as a
+# stride-0 batch of rows, 12.4 with 12 queries an entry, 8.9 with 24; one row alone pays for
+# its padding (1.2 -> 2.2 ms with 12).
+FOLD_QUERIES = 16
 
 
 def forward(
@@ -72,15 +91,20 @@ def forward(
 ) -> torch.Tensor:
     """TorchPagedAttention.forward's contract on CPU, after write_kv."""
     if meta.decode_rows.numel():
-        # CPU tensors: .tolist() reads host memory, it is not a device sync.
-        decoded = paged_decode(
-            q.index_select(0, meta.decode_tokens),
-            cache,
-            meta.block_tables.index_select(0, meta.decode_rows),
-            meta.context_lens.index_select(0, meta.decode_rows).tolist(),
-            scale,
-            meta.sliding_window,
-        )
+        # every layer of the step reads the same tables: the plan is made by the first one
+        group = q.shape[1] // cache.shape[3]
+        key = ("cpu_decode_plan", group, tuple(cache.shape[2:]), cache.dtype)
+        plan = meta.derived.get(key)
+        if not isinstance(plan, DecodePlan):
+            # CPU tensors: .tolist() reads host memory, it is not a device sync.
+            plan = meta.derived[key] = plan_decode(
+                meta.block_tables.index_select(0, meta.decode_rows),
+                meta.context_lens.index_select(0, meta.decode_rows).tolist(),
+                cache,
+                group,
+                meta.sliding_window,
+            )
+        decoded = run_decode(plan, q.index_select(0, meta.decode_tokens), cache, scale)
         out.index_copy_(0, meta.decode_tokens, decoded)
     for p in meta.prefills:
         out[p.token_start : p.token_end] = paged_prefill(
@@ -153,6 +177,144 @@ def _runs(
     return runs
 
 
+@dataclass(frozen=True)
+class SliceCall:
+    """One kernel call over slots [a, b) of the cache, in place, for the rows that read
+    exactly that slice (agents on one system prompt: all of them). The rows' queries are
+    stacked `per_entry` rows to a batch entry of the call (the slice a stride-0 batch
+    dimension), the last entry padded with zero queries."""
+
+    per_entry: int
+
+    a: int
+    b: int
+    rows: torch.Tensor  # [r] decode rows
+    pieces: torch.Tensor  # [r] this slice's piece index in each row
+    query_rows: torch.Tensor  # [entries * per_entry] rows of the queries (Bd: a zero row)
+    entries: int
+
+
+@dataclass(frozen=True)
+class GatherCall:
+    """One kernel call over copies of blocks: each row's blocks from its start column to
+    its context's end, padded to the longest (masked)."""
+
+    rows: torch.Tensor  # [g]
+    pieces: torch.Tensor  # [g]
+    blocks: torch.Tensor  # [g * n] block ids, row by row
+    n: int  # blocks per row
+    mask: torch.Tensor | None  # [g, 1, 1, n * bs] 0 / -inf; None: every key visible
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What paged_decode derives from a step's tables and context lengths alone: made once
+    a step and run by every layer (each on its own cache)."""
+
+    rows: int  # Bd
+    pieces: int  # most pieces of one row (merged by their log-sum-exp)
+    slices: tuple[SliceCall, ...]
+    gathers: tuple[GatherCall, ...]
+
+
+def fold_rows(group: int) -> int:
+    """Rows of G = `group` queries each stacked into one batch entry of the in-place call
+    over a row's first run (where a shared prefix lies): FOLD_QUERIES queries (whole rows),
+    at least one row. A row's bits depend on its entry's query count only (the kernel's GEMMs
+    run one block of that many queries), which is a constant: the same alone as next to any
+    neighbours, whatever its place in the entry. A row's later runs (its own blocks, read by
+    it alone) go one row an entry, unpadded: stacking would only pad them."""
+    return max(1, FOLD_QUERIES // group)
+
+
+def plan_decode(
+    tables: torch.Tensor,  # [Bd, max_blocks] int64 block ids (entries past a context unused)
+    context_lens: Sequence[int],  # [Bd] keys per sequence, the query's own included
+    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D] (its geometry and dtype only)
+    group: int,  # G: query heads per KV head
+    sliding_window: int | None = None,
+) -> DecodePlan:
+    """Each row is cut into pieces by its own table only (never by its neighbours'):
+    - a row of few blocks is gathered whole (a copy of its blocks, in groups of rows);
+    - a row of at most MAX_RUNS runs of consecutive blocks: each run a piece, in place;
+    - a row of more runs whose first run is long (agents on one system prompt: the shared
+      prefix's blocks, then their own blocks between the other rows'): that run in place,
+      the rest gathered as one more piece; else the whole row gathered.
+    Rows whose in-place piece is the same slice of the cache (the shared prefix) are
+    attended in one call (SliceCall); gathered pieces go in groups of similar lengths."""
+    _, _, bs, h_kv, d = cache.shape
+    bd = len(context_lens)
+    device = tables.device
+    firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
+    counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
+    runs = _runs(tables, firsts, counts, None)
+    gathered: list[tuple[int, int, int]] = []  # (row, first column gathered, piece)
+    # (slots a, b, rows an entry) -> (row, piece): the rows that read cache slots [a, b)
+    slices: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    folded = fold_rows(group)
+    pieces = 1
+    for i, ctx in enumerate(context_lens):
+        row_runs = runs[i]
+        assert row_runs is not None
+        if counts[i] < VIEW_MIN_BLOCKS or (
+            len(row_runs) > MAX_RUNS and row_runs[0][1] - row_runs[0][0] < VIEW_MIN_BLOCKS
+        ):
+            gathered.append((i, firsts[i], 0))
+            continue
+        tail = len(row_runs) > MAX_RUNS
+        if tail:
+            # (a window starts inside the first run, before any gathered key)
+            gathered.append((i, row_runs[0][1], 1))
+            row_runs = row_runs[:1]
+        lo = max(0, ctx - sliding_window) if sliding_window else 0
+        for k, (col_a, col_b, block) in enumerate(row_runs):
+            base = (block - col_a) * bs  # slot of position 0, were this run extended back
+            p0, p1 = max(lo, col_a * bs), min(ctx, col_b * bs)  # its visible positions
+            per = folded if k == 0 else 1
+            slices.setdefault((base + p0, base + p1, per), []).append((i, k))
+        pieces = max(pieces, len(row_runs) + tail)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    slice_calls = []
+    for (a, b, per), members in slices.items():
+        entries = -(-len(members) // per)
+        rows = [r for r, _ in members]
+        slice_calls.append(
+            SliceCall(
+                per,
+                a,
+                b,
+                ints(rows),
+                ints([k for _, k in members]),
+                ints(rows + [bd] * (entries * per - len(rows))),
+                entries,
+            )
+        )
+    gather_calls = []
+    block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
+    gather_counts = [-(-context_lens[i] // bs) - start for i, start, _ in gathered]
+    for sub in decode_groups(gather_counts, block_bytes):
+        members = [gathered[k] for k in sub]
+        n = gather_counts[sub[0]]
+        rows = [i for i, _, _ in members]
+        cols = ints([start for _, start, _ in members])[:, None] + torch.arange(n, device=device)
+        blocks = tables.index_select(0, ints(rows)).gather(1, cols.clamp_(max=tables.shape[1] - 1))
+        mask = _decode_mask(
+            [context_lens[i] for i in rows],
+            [start * bs for _, start, _ in members],
+            n * bs,
+            sliding_window,
+            device,
+            cache.dtype,
+        )
+        gather_calls.append(
+            GatherCall(ints(rows), ints([k for _, _, k in members]), blocks.flatten(), n, mask)
+        )
+    return DecodePlan(bd, pieces, tuple(slice_calls), tuple(gather_calls))
+
+
 def paged_decode(
     q: torch.Tensor,  # [Bd, H, D] one query token per sequence
     cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
@@ -161,159 +323,82 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [Bd, H, D]
-    """Each row is cut into pieces by its own table only (never by its neighbours'):
-    - a row of few blocks is gathered (a copy of its blocks, in groups of rows);
-    - a row of at most MAX_RUNS runs of consecutive blocks: each run a piece, in place;
-    - a row of more runs whose first run is long (agents on one system prompt: the shared
-      prefix's blocks, then their own blocks between the other rows'): that run in place,
-      the rest gathered as one piece; else the whole row gathered.
-    A row's pieces are merged by their log-sum-exp. Rows whose in-place piece is the same
-    slice of the cache (the shared prefix) are attended in one call with the slice as a
-    stride-0 batch: the kernel reads it from cache for every row after the first, and each
-    row's result is the same bits as its call alone."""
+    """One layer's decode attention, planned for this call alone (forward plans once a
+    step): plan_decode, then run_decode."""
+    plan = plan_decode(tables, context_lens, cache, q.shape[1] // cache.shape[3], sliding_window)
+    return run_decode(plan, q, cache, scale)
+
+
+def run_decode(
+    plan: DecodePlan,
+    q: torch.Tensor,  # [Bd, H, D]
+    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
+    scale: float,
+) -> torch.Tensor:  # [Bd, H, D]
+    """The plan's kernel calls on one layer's cache, each filling its rows' pieces, then one
+    merge of every row's pieces by their log-sum-exp (a row of one piece: its bits as they
+    came)."""
     _, _, bs, h_kv, d = cache.shape
     bd, num_heads = q.shape[0], q.shape[1]
-    group_q = q.view(bd, h_kv, num_heads // h_kv, d)  # [Bd, H_kv, G, D]
-    firsts = [_first_block(c, bs, sliding_window) for c in context_lens]
-    counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
-    runs = _runs(tables, firsts, counts, None)
-    out = torch.empty_like(q)
-    gathered = []  # rows read through a copy: too many runs of ids, or too few blocks
-    tails: dict[int, int] = {}  # row -> first column of the part gathered after its first run
-    slices: dict[tuple[int, int], list[int]] = {}  # cache slots [a, b) -> rows that read them
-    row_slices: list[list[tuple[int, int]]] = [[] for _ in range(bd)]
-    for i, ctx in enumerate(context_lens):
-        row_runs = runs[i]
-        assert row_runs is not None
-        if counts[i] < VIEW_MIN_BLOCKS:
-            gathered.append(i)
-            continue
-        if len(row_runs) > MAX_RUNS:
-            if row_runs[0][1] - row_runs[0][0] < VIEW_MIN_BLOCKS:
-                gathered.append(i)
-                continue
-            tails[i] = row_runs[0][1]
-            row_runs = row_runs[:1]
-        lo = max(0, ctx - sliding_window) if sliding_window else 0
-        for col_a, col_b, block in row_runs:
-            base = (block - col_a) * bs  # slot of position 0, were this run extended back
-            p0, p1 = max(lo, col_a * bs), min(ctx, col_b * bs)  # its visible positions
-            key = (base + p0, base + p1)
-            slices.setdefault(key, []).append(i)
-            row_slices[i].append(key)
-    parts: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
-    heads_k, heads_v = _slot_heads(cache[0]), _slot_heads(cache[1])  # [H_kv, slots, D]
-    for (a, b), rows in slices.items():
-        keys = heads_k[:, a:b][None].expand(len(rows), -1, -1, -1)  # [R, H_kv, C, D] views
-        values = heads_v[:, a:b][None].expand(len(rows), -1, -1, -1)
-        o, lse = _flash(_rows(group_q, rows), keys, values, None, scale)
-        for r, row in enumerate(rows):
-            parts[row, (a, b)] = o[r], lse[r]
-    tail_parts = _gather_pieces(group_q, cache, tables, context_lens, tails, scale)
-    for i in range(bd):
-        if not row_slices[i]:
-            continue
-        pieces = [parts[i, key] for key in row_slices[i]]
-        if i in tails:
-            pieces.append(tail_parts[i])
-        out[i] = _merge(pieces, q.dtype).reshape(num_heads, d)
-    block_bytes = 2 * bs * h_kv * d * cache.element_size()  # one block of K and V
-    for sub in decode_groups([counts[i] for i in gathered], block_bytes):
-        group = [gathered[k] for k in sub]
-        n = counts[group[0]]
-        rows = torch.tensor(group, dtype=torch.int64, device=q.device)  # [g]
-        keys, values = _gather_rows(cache, tables, rows, [firsts[i] for i in group], n)
-        mask = _decode_mask(group, context_lens, firsts, n * bs, bs, sliding_window, q.device)
-        o = _sdpa(group_q.index_select(0, rows), keys, values, mask, scale)
-        out.index_copy_(0, rows, o)
-    return out
-
-
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows] along dim 0: a slice where they are consecutive, else a copy."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return x[rows[0] : rows[0] + len(rows)]
-    return x.index_select(0, torch.tensor(rows, dtype=torch.int64, device=x.device))
-
-
-def _gather_rows(
-    cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
-    tables: torch.Tensor,  # [Bd, max_blocks]
-    rows: torch.Tensor,  # [g] rows of tables
-    firsts: list[int],  # per row: its first column to gather
-    n: int,  # columns per row (past a row's end: clamped, masked by the caller)
-) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values [g, H_kv, n * bs, D]
-    _, _, bs, h_kv, d = cache.shape
-    g = rows.numel()
-    first = torch.tensor(firsts, dtype=torch.int64, device=tables.device)
-    cols = (first[:, None] + torch.arange(n, device=tables.device)[None, :]).clamp_(
-        max=tables.shape[1] - 1
-    )  # [g, n]
-    blocks = tables.index_select(0, rows).gather(1, cols).flatten()  # [g * n]
-    keys = _gather_heads(cache[0], blocks).view(h_kv, g, n * bs, d).transpose(0, 1)
-    values = _gather_heads(cache[1], blocks).view(h_kv, g, n * bs, d).transpose(0, 1)
-    return keys, values
-
-
-def _gather_pieces(
-    group_q: torch.Tensor,  # [Bd, H_kv, G, D]
-    cache: torch.Tensor,
-    tables: torch.Tensor,
-    context_lens: Sequence[int],
-    tails: dict[int, int],  # row -> first column of its gathered piece (to its context's end)
-    scale: float,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # row -> (o [H_kv, G, D], lse [H_kv, G])
-    """The gathered pieces of rows whose first run is attended in place, in decode groups."""
-    rows_of = list(tails)
-    if not rows_of:
-        return {}
-    device, bs = group_q.device, cache.shape[2]
-    starts = [tails.get(i, 0) for i in range(len(context_lens))]  # per row, as _decode_mask
-    counts = [-(-context_lens[i] // bs) - tails[i] for i in rows_of]
-    block_bytes = 2 * bs * cache.shape[3] * cache.shape[4] * cache.element_size()
-    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for sub in decode_groups(counts, block_bytes):
-        group = [rows_of[k] for k in sub]
-        n = counts[sub[0]]
-        rows = torch.tensor(group, dtype=torch.int64, device=device)
-        keys, values = _gather_rows(cache, tables, rows, [starts[i] for i in group], n)
-        # (a window starts inside the first run, before any gathered key: only ends matter)
-        mask = _decode_mask(group, context_lens, starts, n * bs, bs, None, device)
-        o, lse = _flash(group_q.index_select(0, rows), keys, values, mask, scale)
-        for r, row in enumerate(group):
-            parts[row] = o[r], lse[r]
-    return parts
+    g = num_heads // h_kv
+    group_q = q.view(bd, h_kv, g, d)  # [Bd, H_kv, G, D]
+    o_parts = q.new_zeros(plan.pieces, bd, h_kv, g, d)
+    lse_parts = torch.full((plan.pieces, bd, h_kv, g), float("-inf"), device=q.device)
+    if plan.slices:
+        padded_q = torch.cat([group_q, group_q.new_zeros(1, h_kv, g, d)])  # row Bd: zeros
+        heads_k, heads_v = _slot_heads(cache[0]), _slot_heads(cache[1])  # [H_kv, slots, D]
+    for s in plan.slices:
+        e, r, per = s.entries, s.rows.numel(), s.per_entry
+        stacked = padded_q.index_select(0, s.query_rows).view(e, per, h_kv, g, d)
+        stacked = stacked.transpose(1, 2).reshape(e, h_kv, per * g, d)
+        keys = heads_k[:, s.a : s.b][None].expand(e, -1, -1, -1)  # [E, H_kv, C, D] views
+        values = heads_v[:, s.a : s.b][None].expand(e, -1, -1, -1)
+        o, lse = _flash(stacked, keys, values, None, scale)
+        o = o.view(e, h_kv, per, g, d).transpose(1, 2).reshape(e * per, h_kv, g, d)[:r]
+        lse = lse.view(e, h_kv, per, g).transpose(1, 2).reshape(e * per, h_kv, g)[:r]
+        o_parts.index_put_((s.pieces, s.rows), o)
+        lse_parts.index_put_((s.pieces, s.rows), lse.float())
+    for c in plan.gathers:
+        rows = c.rows.numel()
+        keys = _gather_heads(cache[0], c.blocks).view(h_kv, rows, c.n * bs, d).transpose(0, 1)
+        values = _gather_heads(cache[1], c.blocks).view(h_kv, rows, c.n * bs, d).transpose(0, 1)
+        o, lse = _flash(group_q.index_select(0, c.rows), keys, values, c.mask, scale)
+        o_parts.index_put_((c.pieces, c.rows), o)
+        lse_parts.index_put_((c.pieces, c.rows), lse.float())
+    return _merge(o_parts, lse_parts).reshape(bd, num_heads, d)
 
 
 def _flash(
     q: torch.Tensor,  # [g, H_kv, G, D]
-    keys: torch.Tensor,  # [g, H_kv, L, D]
+    keys: torch.Tensor,  # [g, H_kv, L, D], any strides (fastest: each head's [L, D] contiguous)
     values: torch.Tensor,
-    mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
+    mask: torch.Tensor | None,  # [g, 1, 1, L] 0 / -inf in q's dtype
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [g, H_kv, G, D], lse [g, H_kv, G] float32
-    """The fused kernel behind scaled_dot_product_attention, which also returns each query's
-    log-sum-exp of its scores (a bool mask goes in as 0 / -inf, as sdpa passes it)."""
-    float_mask = None
-    if mask is not None:
-        float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-        float_mask.masked_fill_(~mask, float("-inf"))
+    """The fused kernel behind scaled_dot_product_attention (the same bits), which also
+    returns each query's log-sum-exp of its scores. The G query heads of a KV head go in as
+    G queries of one head (a decode has no causal mask): the kernel then reads each key
+    block once for all of them, not G times."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, keys, values, 0.0, False, attn_mask=float_mask, scale=scale
-    )
+        q, keys, values, 0.0, False, attn_mask=mask, scale=scale
+    )[:2]
 
 
 def _merge(
-    parts: list[tuple[torch.Tensor, torch.Tensor]],  # (o [H_kv, G, D], lse [H_kv, G])
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [H_kv, G, D]
-    """One row's pieces (disjoint sets of its keys) as its softmax over all of them: each
-    piece's output weighted by the share of its log-sum-exp, exactly up to rounding."""
-    if len(parts) == 1:
-        return parts[0][0]
-    weights = torch.softmax(torch.stack([lse for _, lse in parts]), dim=0)  # [R, H_kv, G]
-    o = (torch.stack([o.float() for o, _ in parts]) * weights[..., None]).sum(0)
-    return o.to(dtype)
+    o_parts: torch.Tensor,  # [P, Bd, H_kv, G, D] each row's pieces (disjoint sets of its keys)
+    lse_parts: torch.Tensor,  # [P, Bd, H_kv, G] float32; -inf where a row has fewer pieces
+) -> torch.Tensor:  # [Bd, H_kv, G, D]
+    """Every row's softmax over all its keys: each piece's output weighted by the share of
+    its log-sum-exp, exactly up to rounding. A missing piece weighs exactly 0 and adds 0, so
+    a row's bits do not depend on how many pieces its neighbours have."""
+    if o_parts.shape[0] == 1:
+        return o_parts[0]
+    # over the last dim of a contiguous tensor: each row's softmax is then computed alike
+    # whatever the batch (over dim 0 an element's exp takes the vector or the scalar path by
+    # its place in the whole tensor, and a row's bits would change with its neighbours)
+    weights = torch.softmax(lse_parts.permute(1, 2, 3, 0).contiguous(), dim=-1)
+    weights = weights.permute(3, 0, 1, 2)  # [P, Bd, H_kv, G]
+    return (o_parts.float() * weights[..., None]).sum(0).to(o_parts.dtype)
 
 
 def _slot_heads(plane: torch.Tensor) -> torch.Tensor:  # [H_kv, (N + 1) * bs, D]
@@ -333,30 +418,14 @@ def _gather_heads(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return plane.index_select(0, blocks).permute(2, 0, 1, 3).flatten(1, 2)
 
 
-def _sdpa(
-    q: torch.Tensor,  # [g, H_kv, G, D]
-    keys: torch.Tensor,  # [g, H_kv, L, D], any strides (fastest: each head's [L, D] contiguous)
-    values: torch.Tensor,  # [g, H_kv, L, D]
-    mask: torch.Tensor | None,  # [g, 1, 1, L] bool, True = visible
-    scale: float,
-) -> torch.Tensor:  # [g, H, D]
-    # The G query heads of a KV head go in as G queries of one head (a decode has no causal
-    # mask): the kernel then reads each key block once for all of them, not G times.
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return o.reshape(q.shape[0], -1, q.shape[3])  # [g, H_kv, G, D] -> [g, H, D]
-
-
 def _decode_mask(
-    group: list[int],
-    context_lens: Sequence[int],
-    firsts: Sequence[int],
+    ctx: list[int],  # per row: its context length
+    starts: list[int],  # per row: the position of its first gathered key
     length: int,
-    block_size: int,
     sliding_window: int | None,
     device: torch.device,
-) -> torch.Tensor | None:  # [g, 1, 1, L] bool, True = visible; None when all are
-    ctx = [context_lens[i] for i in group]
-    starts = [firsts[i] * block_size for i in group]  # position of the first gathered key
+    dtype: torch.dtype,
+) -> torch.Tensor | None:  # [g, 1, 1, L] 0 = visible, -inf = not; None when all are
     window = sliding_window or 0
     if all(c - s == length and (not window or c - s <= window) for c, s in zip(ctx, starts)):
         return None
@@ -365,7 +434,8 @@ def _decode_mask(
     visible = pos < ctx_t  # [g, L]
     if window:
         visible &= pos >= ctx_t - window
-    return visible[:, None, None, :]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
 
 
 def paged_prefill(
