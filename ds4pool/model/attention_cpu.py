@@ -104,7 +104,9 @@ def forward(
                 group,
                 meta.sliding_window,
             )
-        decoded = run_decode(plan, q.index_select(0, meta.decode_tokens), cache, scale)
+        decoded = run_decode(
+            plan, q.index_select(0, meta.decode_tokens), cache, scale, meta.derived
+        )
         out.index_copy_(0, meta.decode_tokens, decoded)
     for p in meta.prefills:
         out[p.token_start : p.token_end] = paged_prefill(
@@ -114,6 +116,7 @@ def forward(
             p.context_len,
             scale,
             meta.sliding_window,
+            meta.derived,
         )
     return out
 
@@ -213,6 +216,7 @@ class DecodePlan:
 
     rows: int  # Bd
     pieces: int  # most pieces of one row (merged by their log-sum-exp)
+    gather_numel: int  # values of K and V that the largest GatherCall copies
     slices: tuple[SliceCall, ...]
     gathers: tuple[GatherCall, ...]
 
@@ -312,7 +316,9 @@ def plan_decode(
         gather_calls.append(
             GatherCall(ints(rows), ints([k for _, _, k in members]), blocks.flatten(), n, mask)
         )
-    return DecodePlan(bd, pieces, tuple(slice_calls), tuple(gather_calls))
+    most = max((c.rows.numel() * c.n for c in gather_calls), default=0)
+    gather_numel = 2 * most * bs * h_kv * d
+    return DecodePlan(bd, pieces, gather_numel, tuple(slice_calls), tuple(gather_calls))
 
 
 def paged_decode(
@@ -334,6 +340,7 @@ def run_decode(
     q: torch.Tensor,  # [Bd, H, D]
     cache: torch.Tensor,  # [2, N_blocks, bs, H_kv, D]
     scale: float,
+    scratch: dict[object, object] | None = None,  # the step's (meta.derived): copies reuse it
 ) -> torch.Tensor:  # [Bd, H, D]
     """The plan's kernel calls on one layer's cache, each filling its rows' pieces, then one
     merge of every row's pieces by their log-sum-exp (a row of one piece: its bits as they
@@ -358,10 +365,13 @@ def run_decode(
         lse = lse.view(e, h_kv, per, g).transpose(1, 2).reshape(e * per, h_kv, g)[:r]
         o_parts.index_put_((s.pieces, s.rows), o)
         lse_parts.index_put_((s.pieces, s.rows), lse.float())
+    buffer = _buffer(scratch, plan.gather_numel, cache) if plan.gathers else None
     for c in plan.gathers:
         rows = c.rows.numel()
-        keys = _gather_heads(cache[0], c.blocks).view(h_kv, rows, c.n * bs, d).transpose(0, 1)
-        values = _gather_heads(cache[1], c.blocks).view(h_kv, rows, c.n * bs, d).transpose(0, 1)
+        keys = _gather_heads(cache[0], c.blocks, buffer, 0)
+        values = _gather_heads(cache[1], c.blocks, buffer, 1)
+        keys = keys.view(h_kv, rows, c.n * bs, d).transpose(0, 1)
+        values = values.view(h_kv, rows, c.n * bs, d).transpose(0, 1)
         o, lse = _flash(group_q.index_select(0, c.rows), keys, values, c.mask, scale)
         o_parts.index_put_((c.pieces, c.rows), o)
         lse_parts.index_put_((c.pieces, c.rows), lse.float())
@@ -407,15 +417,46 @@ def _slot_heads(plane: torch.Tensor) -> torch.Tensor:  # [H_kv, (N + 1) * bs, D]
     return plane.permute(2, 0, 1, 3).flatten(1, 2)
 
 
-def _gather_heads(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _buffer(scratch: dict[object, object] | None, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer of at least `numel` values of `like`'s dtype, kept in `scratch` (a
+    step's metadata.derived) for every layer's copies: one allocation a step instead of two a
+    layer. The server fixes glibc's mmap threshold at 1 MiB (ds4pool/allocator.py), so each
+    fresh copy of a few MB was a new mapping, its pages faulted in and zeroed: 85k faults and
+    a third more time a decode step (16 rows at 3.3k tokens, docs/BENCHMARKS.md)."""
+    key = ("cpu_gather_buffer", like.dtype, like.device)
+    found = scratch.get(key) if scratch is not None else None
+    if isinstance(found, torch.Tensor) and found.numel() >= numel:
+        return found
+    made = torch.empty(numel, dtype=like.dtype, device=like.device)
+    if scratch is not None:
+        scratch[key] = made
+    return made
+
+
+def _gather_heads(
+    plane: torch.Tensor,
+    blocks: torch.Tensor,
+    buffer: torch.Tensor | None = None,  # flat: the copy goes to its half `half` (0 or 1)
+    half: int = 0,
+) -> torch.Tensor:
     """Blocks [n] of one plane as [H_kv, n * bs, D], copied in the cache's memory order.
 
     Head-major cache: one memcpy of bs * D values per head and block, and the kernel then
     reads each head's keys as one matrix. Token-major: whole blocks, as main did (gathering
     it head-major would copy D values at a time, ~10x slower)."""
+    _, bs, h_kv, d = plane.shape
+    n = blocks.numel()
+    out = None
+    if buffer is not None:
+        size = n * bs * h_kv * d
+        out = buffer[half * (buffer.numel() // 2) :][:size]
     if plane.stride(2) > plane.stride(0):  # head-major memory [H_kv, N + 1, bs, D]
-        return plane.permute(2, 0, 1, 3).index_select(1, blocks).flatten(1, 2)
-    return plane.index_select(0, blocks).permute(2, 0, 1, 3).flatten(1, 2)
+        if out is not None:
+            out = out.view(h_kv, n, bs, d)
+        return torch.index_select(plane.permute(2, 0, 1, 3), 1, blocks, out=out).flatten(1, 2)
+    if out is not None:
+        out = out.view(n, bs, h_kv, d)
+    return torch.index_select(plane, 0, blocks, out=out).permute(2, 0, 1, 3).flatten(1, 2)
 
 
 def _decode_mask(
@@ -445,6 +486,7 @@ def paged_prefill(
     context_len: int,  # C: keys after this chunk was written
     scale: float,
     sliding_window: int | None = None,
+    scratch: dict[object, object] | None = None,  # the step's (meta.derived): copies reuse it
 ) -> torch.Tensor:  # [Q, H, D]
     _, _, bs, h_kv, d = cache.shape
     n_q = q.shape[0]
@@ -458,7 +500,11 @@ def paged_prefill(
         keys = _slot_heads(cache[0])[:, run * bs : (run + n) * bs]  # [H_kv, n * bs, D]
         values = _slot_heads(cache[1])[:, run * bs : (run + n) * bs]
     else:
-        keys, values = _gather_heads(cache[0], blocks), _gather_heads(cache[1], blocks)
+        buffer = _buffer(scratch, 2 * n * bs * h_kv * d, cache)
+        keys, values = (
+            _gather_heads(cache[0], blocks, buffer, 0),
+            _gather_heads(cache[1], blocks, buffer, 1),
+        )
     keys, values = keys[:, : context_len - start], values[:, : context_len - start]  # [H_kv, C', D]
     mask = None
     if n_q != context_len or sliding_window:

@@ -203,9 +203,9 @@ def test_agents_on_a_shared_prefix_read_it_in_place_once_a_layer(
     flash = attention_cpu._flash
     calls: list[tuple[int, int]] = []  # (batch entries, queries an entry) per kernel call
 
-    def counting_gather(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    def counting_gather(plane: torch.Tensor, blocks: torch.Tensor, *args: object) -> torch.Tensor:
         gathered.append(blocks.numel())
-        return gather(plane, blocks)
+        return gather(plane, blocks, *args)  # type: ignore[arg-type]
 
     def counting_flash(q_: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append((q_.shape[0], q_.shape[2]))
@@ -253,3 +253,31 @@ def test_a_row_of_one_run_gets_the_fused_kernels_bits(one_thread: None) -> None:
         q.view(1, h_kv, group, D), keys, values, scale=D**-0.5
     )
     assert (out - own.reshape(1, group * h_kv, D)).abs().max().item() < 1e-6
+
+
+def test_a_steps_copies_reuse_one_buffer_across_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer of a step gathers the same blocks: the copies go to one buffer kept on the
+    step's metadata (allocated once a step, not twice a layer), and the results are the
+    same bits as with fresh copies."""
+    lens = [300, 9, 190, 60]
+    tables, cache, q, k, v = random_step([1] * 4, lens, 2, 0, head_major=True)
+    meta = build_metadata([1] * 4, lens, tables, BS, torch.device("cpu"))
+    backend = TorchPagedAttention()
+    first = backend.forward(q, k, v, cache, meta, D**-0.5)
+    buffers = [t for t in meta.derived.values() if isinstance(t, torch.Tensor)]
+    assert len(buffers) == 1
+    made: list[int] = []
+    empty = torch.empty
+
+    def counting_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        made.append(1)
+        return empty(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_cpu.torch, "empty", counting_empty)
+    second = backend.forward(q, k, v, cache, meta, D**-0.5)  # a second layer of the step
+    assert not made
+    monkeypatch.undo()
+    fresh = backend.forward(
+        q, k, v, cache, build_metadata([1] * 4, lens, tables, BS, torch.device("cpu")), D**-0.5
+    )
+    assert torch.equal(first, second) and torch.equal(first, fresh)
