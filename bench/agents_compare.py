@@ -12,6 +12,8 @@ Servers (each started as its own process on a free loopback port, CPU, float32):
                   the ds4-server behaviour);
   - transformers: `transformers serve --continuous-batching` with HF_HUB_OFFLINE=1 (needs
                   `pip install "transformers[serving]"`), pinned to the model directory;
+  - ds4pool:before: with --before-ref REF, `ds4pool serve` as it was at git REF (imported
+                  from a worktree made for the run), to measure a change side by side;
   - ds4pool:NAME: `ds4pool serve` with the extra flags of `--variant NAME="FLAGS"` (e.g.
                   main's CPU defaults next to today's in one run); compared to the others
                   like ds4pool;
@@ -42,6 +44,7 @@ and the combined plot (--plot, default <out>/agents_compare.png).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -51,7 +54,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -63,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4pool.bench.agents import moves_cell, ms_pair  # noqa: E402
 
 SERVERS = ("ds4pool", "no-batching", "transformers", "llama-server")
+BEFORE = "ds4pool:before"  # with --before-ref: ds4pool serve at that git ref
 TF_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig.page_size default
 TF_GEN_CONFIG = json.dumps({"generation_config": json.dumps({"do_sample": False})})
 
@@ -88,7 +94,9 @@ def server_command(
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS4POOL_")}
     common = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     variants = dict(args.variant)
-    if name in ("ds4pool", "no-batching") or name in variants:
+    if name == BEFORE:
+        env["PYTHONPATH"] = str(args.before_tree)  # ds4pool as it was at --before-ref
+    if name in ("ds4pool", "no-batching", BEFORE) or name in variants:
         argv = [sys.executable, "-m", "ds4pool", "serve", "--model", str(model_dir)]
         argv += ["--device", "cpu", "--dtype", "float32", "--kv-device-gb", str(args.kv_gb)]
         argv += ["--max-batch-tokens", str(args.max_batch_tokens), *common]
@@ -413,6 +421,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="one more ds4pool server, ds4pool:NAME, with these serve flags, e.g. "
         '--variant "main=--max-prefill-tokens 64 --max-prefill-cost 112"; list it in --servers',
     )
+    p.add_argument(
+        "--before-ref",
+        default=None,
+        metavar="REF",
+        help=f"serve {BEFORE} from a git worktree of REF (list {BEFORE} in --servers)",
+    )
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=1000)
@@ -439,6 +453,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
     args = p.parse_args(argv)
     known = {*SERVERS, *(name for name, _ in args.variant)}
+    if args.before_ref:
+        known.add(BEFORE)
+    elif BEFORE in args.servers:
+        p.error(f"{BEFORE} needs --before-ref REF")
+    args.before_tree = None
     unknown = [s for s in args.servers if s not in known]
     if unknown:
         p.error(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
@@ -451,6 +470,25 @@ def _variant(text: str) -> tuple[str, str]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=FLAGS, got {text!r}")
     return f"ds4pool:{name.strip()}", flags
+
+
+@contextlib.contextmanager
+def before_tree(ref: str | None) -> Iterator[Path | None]:
+    """A detached git worktree of `ref` for the run (None without a ref), removed after."""
+    if ref is None:
+        yield None
+        return
+    root = Path(__file__).resolve().parents[1]
+    tree = Path(tempfile.mkdtemp(prefix="ds4pool-before-")) / "tree"
+    made = subprocess.run(
+        ["git", "worktree", "add", "--detach", str(tree), ref], cwd=root, capture_output=True
+    )
+    if made.returncode:
+        raise SystemExit(f"agents_compare: no worktree of {ref!r}: {made.stderr.decode()[-300:]}")
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root)
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[int, int, str]]:
@@ -475,12 +513,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     reports, failures = [], []
-    for rnd, n, name in run_order(args):
-        try:
-            reports.append(run_one(name, n, args.model_dir, args, rnd))
-        except RuntimeError as exc:
-            failures.append(f"{name} N={n} round {rnd}: {exc}")
-            print(f"FAILED {failures[-1]}", file=sys.stderr)
+    with before_tree(args.before_ref) as args.before_tree:
+        for rnd, n, name in run_order(args):
+            try:
+                reports.append(run_one(name, n, args.model_dir, args, rnd))
+            except RuntimeError as exc:
+                failures.append(f"{name} N={n} round {rnd}: {exc}")
+                print(f"FAILED {failures[-1]}", file=sys.stderr)
     header = (
         f"model {args.model_dir} ({kv_bytes_per_token(args.model_dir)} B of KV per token); "
         f"turns {args.turns}, S={args.system_tokens}, U={args.user_tokens}, "

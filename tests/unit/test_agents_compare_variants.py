@@ -19,6 +19,17 @@ def test_a_variant_is_ds4pool_serve_with_its_flags() -> None:
     assert "--max-prefill-tokens" not in plain and client == []
 
 
+def test_before_is_ds4pool_serve_imported_from_the_refs_worktree() -> None:
+    args = parse_args(["--servers", "ds4pool", "ds4pool:before", "--before-ref", "HEAD~1"])
+    args.before_tree = Path("/tmp/tree")
+    argv, env, _ = server_command("ds4pool:before", Path("/m"), 1234, args)
+    assert argv[1:4] == ["-m", "ds4pool", "serve"] and env["PYTHONPATH"] == "/tmp/tree"
+    _, plain_env, _ = server_command("ds4pool", Path("/m"), 1234, args)
+    assert "PYTHONPATH" not in plain_env or plain_env["PYTHONPATH"] != "/tmp/tree"
+    with pytest.raises(SystemExit):  # ds4pool:before without a ref
+        parse_args(["--servers", "ds4pool:before"])
+
+
 def test_unknown_servers_and_bad_variants_are_refused() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--servers", "ds4pool:nope"])
