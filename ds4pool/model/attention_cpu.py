@@ -187,8 +187,7 @@ class SliceCall:
     stacked `per_entry` rows to a batch entry of the call (the slice a stride-0 batch
     dimension), the last entry padded with zero queries."""
 
-    per_entry: int
-
+    per_entry: int  # rows an entry: fold_rows(G) for rows' first runs, else 1
     a: int
     b: int
     rows: torch.Tensor  # [r] decode rows
@@ -214,7 +213,6 @@ class DecodePlan:
     """What paged_decode derives from a step's tables and context lengths alone: made once
     a step and run by every layer (each on its own cache)."""
 
-    rows: int  # Bd
     pieces: int  # most pieces of one row (merged by their log-sum-exp)
     gather_numel: int  # values of K and V that the largest GatherCall copies
     slices: tuple[SliceCall, ...]
@@ -318,7 +316,7 @@ def plan_decode(
         )
     most = max((c.rows.numel() * c.n for c in gather_calls), default=0)
     gather_numel = 2 * most * bs * h_kv * d
-    return DecodePlan(bd, pieces, gather_numel, tuple(slice_calls), tuple(gather_calls))
+    return DecodePlan(pieces, gather_numel, tuple(slice_calls), tuple(gather_calls))
 
 
 def paged_decode(
