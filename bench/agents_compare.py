@@ -5,8 +5,12 @@
     python bench/agents_compare.py --servers ds4pool no-batching
     python bench/agents_compare.py --servers ds4pool llama-server --gguf m.gguf \
         --model-dir DIR --agents 16 --repeat 3                  # alternating, 3 rounds
+    python bench/agents_compare.py --device cuda --servers ds4pool llama-server transformers \
+        --gguf m.gguf --llama-slots agents --llama-args "-ngl 99 -fa on" \
+        --model-dir DIR --agents 16 32 64 --kv-gb 40          # the GPU comparison
 
-Servers (each started as its own process on a free loopback port, CPU, float32):
+Servers (each started as its own process on a free loopback port; `--device` cpu, float32 by
+default, or cuda, bfloat16 by default; `--dtype` overrides):
   - ds4pool:      `ds4pool serve` (continuous batching, sessions kept warm);
   - no-batching:  `ds4pool serve --no-batching` (one request at a time, one live session:
                   the ds4-server behaviour);
@@ -79,18 +83,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """float32 K and V of every layer for one token."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
+    """K and V of every layer for one token, in `dtype`."""
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * 4
+    per_value = DTYPE_BYTES[dtype]
+    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * per_value
 
 
 def server_command(
-    name: str, model_dir: Path, port: int, args: argparse.Namespace
+    name: str, model_dir: Path, port: int, args: argparse.Namespace, agents: int = 1
 ) -> tuple[list[str], dict[str, str], list[str]]:
-    """(server argv, its environment, extra `bench agents` flags) for one server."""
+    """(server argv, its environment, extra `bench agents` flags) for one server run with
+    `agents` clients (llama-server's slot count may follow it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DS4POOL_")}
     common = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     variants = dict(args.variant)
@@ -98,31 +107,33 @@ def server_command(
         env["PYTHONPATH"] = str(args.before_tree)  # ds4pool as it was at --before-ref
     if name in ("ds4pool", "no-batching", BEFORE) or name in variants:
         argv = [sys.executable, "-m", "ds4pool", "serve", "--model", str(model_dir)]
-        argv += ["--device", "cpu", "--dtype", "float32", "--kv-device-gb", str(args.kv_gb)]
+        argv += ["--device", args.device, "--dtype", args.dtype, "--kv-device-gb", str(args.kv_gb)]
         argv += ["--max-batch-tokens", str(args.max_batch_tokens), *common]
         argv += shlex.split(variants.get(name, ""))
         return argv + (["--no-batching"] if name == "no-batching" else []), env, []
     if name == "llama-server":
-        return llama_server_command(port, args), env, []
+        return llama_server_command(port, args, agents), env, []
     exe = shutil.which("transformers")
     if exe is None:
         raise RuntimeError("the transformers CLI is not installed")
-    blocks = math.ceil(args.kv_gb * 2**30 / (TF_PAGE_SIZE * kv_bytes_per_token(model_dir)))
+    per_token = kv_bytes_per_token(model_dir, args.dtype)
+    blocks = math.ceil(args.kv_gb * 2**30 / (TF_PAGE_SIZE * per_token))
     argv = [exe, "serve", "--continuous-batching", "--cb-num-blocks", str(blocks)]
-    argv += ["--cb-max-batch-tokens", str(args.max_batch_tokens), "--device", "cpu"]
-    argv += ["--dtype", "float32", *common, str(model_dir)]
+    argv += ["--cb-max-batch-tokens", str(args.max_batch_tokens), "--device", args.device]
+    argv += ["--dtype", args.dtype, *common, str(model_dir)]
     env["HF_HUB_OFFLINE"] = "1"
     return argv, env, ["--no-ignore-eos", "--extra-body", TF_GEN_CONFIG]
 
 
-def llama_server_command(port: int, args: argparse.Namespace) -> list[str]:
+def llama_server_command(port: int, args: argparse.Namespace, agents: int = 1) -> list[str]:
     exe = shutil.which(str(args.llama_server))
     if exe is None:
         raise RuntimeError(f"llama-server not found: {args.llama_server} (--llama-server PATH)")
     if args.gguf is None or not args.gguf.is_file():
         raise RuntimeError(f"llama-server needs --gguf FILE (got {args.gguf})")
-    argv = [exe, "-m", str(args.gguf), "-np", str(args.llama_slots), "-t", str(args.threads)]
-    argv += ["-c", str(args.llama_slots * args.llama_slot_ctx), "--metrics"]
+    slots = agents if args.llama_slots == "agents" else int(args.llama_slots)
+    argv = [exe, "-m", str(args.gguf), "-np", str(slots), "-t", str(args.threads)]
+    argv += ["-c", str(slots * args.llama_slot_ctx), "--metrics"]
     argv += shlex.split(args.llama_args)
     return argv + ["--host", "127.0.0.1", "--port", str(port)]
 
@@ -189,7 +200,7 @@ def run_one(
 ) -> dict[str, Any]:
     """A fresh server, one `bench agents` run against it, the server stopped."""
     port = free_port()
-    argv, env, client_flags = server_command(name, model_dir, port, args)
+    argv, env, client_flags = server_command(name, model_dir, port, args, n)
     label = f"{name}-N{n}" + (f"-r{rnd}" if args.repeat > 1 else "")
     log = args.out / f"{label}.server.log"
     print(f"\n$ {shlex.join(argv)}", file=sys.stderr)
@@ -435,6 +446,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--think-s", type=float, nargs=2, default=[0.5, 2.0], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-gb", type=float, default=0.5, help="KV budget of every server")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="ds4pool's and transformers'"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_BYTES),
+        default=None,
+        help="model dtype of ds4pool and transformers (default: float32 on cpu, bfloat16 on cuda)",
+    )
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=1, help="rounds (servers alternate per N)")
     p.add_argument(
@@ -445,7 +465,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--gguf", type=Path, default=None, help="llama-server's model file")
     p.add_argument("--llama-server", type=Path, default=Path("llama-server"))
-    p.add_argument("--llama-slots", type=int, default=4, help="llama-server -np")
+    p.add_argument(
+        "--llama-slots",
+        type=_slots,
+        default=4,
+        help='llama-server -np: a count, or "agents" for one slot per agent',
+    )
     p.add_argument("--llama-slot-ctx", type=int, default=8192, help="context per slot")
     p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
     p.add_argument("--start-timeout-s", type=float, default=180.0)
@@ -458,10 +483,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif BEFORE in args.servers:
         p.error(f"{BEFORE} needs --before-ref REF")
     args.before_tree = None
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     unknown = [s for s in args.servers if s not in known]
     if unknown:
         p.error(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
     return args
+
+
+def _slots(text: str) -> int | str:
+    """--llama-slots: a positive count or "agents"."""
+    if text == "agents":
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f'expected a slot count or "agents", got {text!r}')
 
 
 def _variant(text: str) -> tuple[str, str]:
@@ -521,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{name} N={n} round {rnd}: {exc}")
                 print(f"FAILED {failures[-1]}", file=sys.stderr)
     header = (
-        f"model {args.model_dir} ({kv_bytes_per_token(args.model_dir)} B of KV per token); "
+        f"model {args.model_dir} on {args.device}, {args.dtype} "
+        f"({kv_bytes_per_token(args.model_dir, args.dtype)} B of KV per token); "
         f"turns {args.turns}, S={args.system_tokens}, U={args.user_tokens}, "
         f"G={args.gen_tokens}, think {args.think_s[0]}-{args.think_s[1]} s, seed {args.seed}; "
         f"{datetime.now().isoformat(timespec='seconds')}, {time.monotonic() - t0:.0f} s in all"
@@ -534,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if reports:
         title = (
-            f"{args.model_dir.name}, CPU float32: S={args.system_tokens}, U={args.user_tokens}, "
+            f"{args.model_dir.name}, {args.device} {args.dtype}: S={args.system_tokens}, "
+            f"U={args.user_tokens}, "
             f"G={args.gen_tokens}, {args.turns} turns, think {args.think_s[0]:g}-"
             f"{args.think_s[1]:g} s, seed {args.seed}"
         )

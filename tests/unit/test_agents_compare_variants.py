@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from bench.agents_compare import parse_args, server_command, targets
+from bench.agents_compare import kv_bytes_per_token, parse_args, server_command, targets
 
 
 def test_a_variant_is_ds4pool_serve_with_its_flags() -> None:
@@ -60,3 +61,34 @@ def test_every_variant_gets_its_own_target_line() -> None:
     old = next(x for x in lines if x.startswith("N=16, ds4pool:main vs"))
     assert "gen tok/s 1.33x" in mine and "ITL p50 8.00x" in mine
     assert "gen tok/s 0.67x" in old and "ITL p50 16.00x" in old
+
+
+def test_the_gpu_comparison_serves_bf16_on_cuda_with_one_llama_slot_per_agent(
+    tmp_path: Path,
+) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    args = parse_args(
+        ["--device", "cuda", "--servers", "ds4pool", "llama-server", "--llama-slots", "agents"]
+        + ["--gguf", str(gguf), "--llama-server", str(exe), "--llama-args", "-ngl 99"]
+    )
+    argv, _, _ = server_command("ds4pool", Path("/m"), 1234, args, 32)
+    assert argv[argv.index("--device") + 1] == "cuda"
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    llama, _, _ = server_command("llama-server", Path("/m"), 1234, args, 32)
+    assert llama[llama.index("-np") + 1] == "32" and "-ngl" in llama
+    assert llama[llama.index("-c") + 1] == str(32 * args.llama_slot_ctx)
+    cpu = parse_args(["--servers", "ds4pool", "--dtype", "bfloat16"])
+    assert (cpu.device, cpu.dtype) == ("cpu", "bfloat16")
+    with pytest.raises(SystemExit):
+        parse_args(["--llama-slots", "0"])
+
+
+def test_the_kv_budget_counts_the_dtypes_bytes(tmp_path: Path) -> None:
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 3}))
+    assert kv_bytes_per_token(tmp_path) == 3 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token(tmp_path, "bfloat16") == 3 * 2 * 2 * 16 * 2
