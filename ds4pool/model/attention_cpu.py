@@ -26,15 +26,19 @@ numbers are in docs/BENCHMARKS.md):
 - Rows on one slice of the cache (agents on one system prompt) are attended in one call
   with their queries stacked FOLD_QUERIES to a batch entry: the kernel runs its GEMMs on
   that many queries per key block instead of one row's G, 2-3x faster per layer on a long
-  shared prefix (docs/BENCHMARKS.md "stacked prefix queries").
+  shared prefix (docs/BENCHMARKS.md "stacked prefix queries"). A row alone on its slice
+  goes in an entry of just its own queries, padded to the fewest the kernel gives the same
+  bits as in a full entry (invariant_queries, measured on this machine: 4 on a Zen 1 EPYC).
 - Every layer of a step reads the same tables: the plan of calls (plan_decode: runs, groups,
   gather indices, masks) is made once a step and kept on the step's metadata; the layers
   only run it (run_decode), and merge every row's pieces in one vectorised op.
 
 Numerics: a sequence's output is its own softmax over its own keys; padding keys are masked
 to -inf and add exact zeros. With one thread a row's bits do not depend on its neighbours
-where its pieces are of the same lengths (its in-place pieces always: the stacked entries
-are of a constant size; its gathered piece if its group needs no padding). With more threads
+where its pieces are of the same lengths (its in-place pieces always: a stacked entry's
+query count is at least invariant_queries, from which the kernel's bits for a query do not
+depend on the count or the query's place; its gathered piece if its group needs no
+padding). With more threads
 the kernel's split of a call across them can change the last bits with the call's batch
 size (seen on a 2-core EPYC), as padding does: within float rounding of the kernel's tiling.
 
@@ -44,6 +48,7 @@ D = head_dim, bs = block_size, n = blocks gathered per sequence in a group, L = 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -77,9 +82,13 @@ MAX_RUNS = 4
 # (fold_rows): the kernel's GEMMs then run that many queries against each key block read,
 # where one row's G queries alone (3 at the m77 shapes) take its slow few-row path.
 # Measured (m77 shapes, 16 rows, 1 thread, per layer): a 2,400-key prefix 26 ms as a
-# stride-0 batch of rows, 12.4 with 12 queries an entry, 8.9 with 24; one row alone pays for
-# its padding (1.2 -> 2.2 ms with 12).
+# stride-0 batch of rows, 12.4 with 12 queries an entry, 8.9 with 24. A row alone on its
+# slice is not padded to a full entry (that made one row's layer 1.7-2.2x slower at 1.5-3k
+# tokens): its entry holds its G queries, padded to invariant_queries if fewer.
 FOLD_QUERIES = 16
+# Key counts of invariant_queries' probe: within one key block of the kernel, across two,
+# and a partial last block.
+_PROBE_KEYS = (37, 700, 1100)
 
 
 def forward(
@@ -187,13 +196,16 @@ class SliceCall:
     stacked `per_entry` rows to a batch entry of the call (the slice a stride-0 batch
     dimension), the last entry padded with zero queries."""
 
-    per_entry: int  # rows an entry: fold_rows(G) for rows' first runs, else 1
+    per_entry: int  # rows an entry: up to fold_rows(G) for rows' first runs, else 1
+    queries: int  # queries an entry: per_entry * G, padded with zero queries to at least
+    # invariant_queries for first runs
     a: int
     b: int
     rows: torch.Tensor  # [r] decode rows
     pieces: torch.Tensor  # [r] this slice's piece index in each row
     query_rows: torch.Tensor  # [entries * per_entry] rows of the queries (Bd: a zero row)
     entries: int
+    lone: tuple[int, int] | None  # (row, piece) of a call for one row, else None
 
 
 @dataclass(frozen=True)
@@ -222,11 +234,51 @@ class DecodePlan:
 def fold_rows(group: int) -> int:
     """Rows of G = `group` queries each stacked into one batch entry of the in-place call
     over a row's first run (where a shared prefix lies): FOLD_QUERIES queries (whole rows),
-    at least one row. A row's bits depend on its entry's query count only (the kernel's GEMMs
-    run one block of that many queries), which is a constant: the same alone as next to any
-    neighbours, whatever its place in the entry. A row's later runs (its own blocks, read by
-    it alone) go one row an entry, unpadded: stacking would only pad them."""
+    at least one row. Fewer rows on the slice make one entry of just them (padded to
+    invariant_queries). A row's later runs (its own blocks, read by it alone) go one row an
+    entry, unpadded: stacking would only pad them."""
     return max(1, FOLD_QUERIES // group)
+
+
+def invariant_queries(dtype: torch.dtype, head_dim: int, most: int) -> int:
+    """The fewest queries a batch entry of the fused kernel may hold (up to `most`, a full
+    entry) from which every query gets the same bits whatever the entry's query count and
+    its place in it; `most` where no smaller count does.
+
+    The kernel runs its GEMMs on a block of the entry's queries, and the BLAS may take
+    another path for few rows (on a Zen 1 EPYC with MKL: 1-3 rows round differently from
+    4-16, which agree), so this is measured, once a process per dtype / head_dim / thread count
+    (torch's, now), on random queries and keys of a few lengths: a count passes when each query's
+    output and log-sum-exp equal, bit for bit, its own in a full entry, and a full entry
+    reversed gives every query its bits. Where that fails, every entry is padded to `most`
+    (the bits then depend on nothing but that constant count)."""
+    return _probe(dtype, head_dim, most, torch.get_num_threads())
+
+
+@functools.cache
+def _probe(dtype: torch.dtype, head_dim: int, most: int, threads: int) -> int:
+    """invariant_queries, measured under `threads` torch threads (the current count)."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(1, 1, most, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    fewest = 1
+    for keys_n in _PROBE_KEYS:
+        keys, values = torch.randn(2, 1, 1, keys_n, head_dim, generator=gen).to(dtype)
+        o, lse = _flash(full, keys, values, None, scale)
+        o_rev, lse_rev = _flash(full.flip(2), keys, values, None, scale)
+        if not (torch.equal(o, o_rev.flip(2)) and torch.equal(lse, lse_rev.flip(2))):
+            return most
+        count = most  # the fewest that passes at this length, every count above it too
+        while count > fewest:
+            o_c, lse_c = _flash(full[:, :, : count - 1], keys, values, None, scale)
+            if not (
+                torch.equal(o_c, o[:, :, : count - 1])
+                and torch.equal(lse_c, lse[:, :, : count - 1])
+            ):
+                break
+            count -= 1
+        fewest = count
+    return fewest
 
 
 def plan_decode(
@@ -251,9 +303,8 @@ def plan_decode(
     counts = [-(-c // bs) - f for c, f in zip(context_lens, firsts)]  # blocks to read
     runs = _runs(tables, firsts, counts, None)
     gathered: list[tuple[int, int, int]] = []  # (row, first column gathered, piece)
-    # (slots a, b, rows an entry) -> (row, piece): the rows that read cache slots [a, b)
-    slices: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    folded = fold_rows(group)
+    # (slots a, b, a first run?) -> (row, piece): the rows that read cache slots [a, b)
+    slices: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
     pieces = 1
     for i, ctx in enumerate(context_lens):
         row_runs = runs[i]
@@ -272,26 +323,32 @@ def plan_decode(
         for k, (col_a, col_b, block) in enumerate(row_runs):
             base = (block - col_a) * bs  # slot of position 0, were this run extended back
             p0, p1 = max(lo, col_a * bs), min(ctx, col_b * bs)  # its visible positions
-            per = folded if k == 0 else 1
-            slices.setdefault((base + p0, base + p1, per), []).append((i, k))
+            slices.setdefault((base + p0, base + p1, k == 0), []).append((i, k))
         pieces = max(pieces, len(row_runs) + tail)
 
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     slice_calls = []
-    for (a, b, per), members in slices.items():
+    folded = fold_rows(group)
+    fewest = invariant_queries(cache.dtype, d, folded * group)
+    for (a, b, first), members in slices.items():
+        # first runs: up to `folded` rows an entry, at least `fewest` queries (zeros pad)
+        per = min(folded, len(members)) if first else 1
+        queries = max(per * group, fewest) if first else group
         entries = -(-len(members) // per)
         rows = [r for r, _ in members]
         slice_calls.append(
             SliceCall(
                 per,
+                queries,
                 a,
                 b,
                 ints(rows),
                 ints([k for _, k in members]),
                 ints(rows + [bd] * (entries * per - len(rows))),
                 entries,
+                members[0] if len(members) == 1 else None,
             )
         )
     gather_calls = []
@@ -353,14 +410,27 @@ def run_decode(
         padded_q = torch.cat([group_q, group_q.new_zeros(1, h_kv, g, d)])  # row Bd: zeros
         heads_k, heads_v = _slot_heads(cache[0]), _slot_heads(cache[1])  # [H_kv, slots, D]
     for s in plan.slices:
-        e, r, per = s.entries, s.rows.numel(), s.per_entry
+        keys = heads_k[:, s.a : s.b][None]  # [1, H_kv, C, D] views
+        values = heads_v[:, s.a : s.b][None]
+        if s.lone is not None:  # one row: its queries as they are (a few ops: ~20 us each)
+            row, piece = s.lone
+            own = group_q[row : row + 1]
+            if s.queries > g:
+                own = F.pad(own, (0, 0, 0, s.queries - g))
+            o, lse = _flash(own, keys, values, None, scale)
+            o_parts[piece, row] = o[0, :, :g]
+            lse_parts[piece, row] = lse[0, :, :g]
+            continue
+        e, r, per, pad = s.entries, s.rows.numel(), s.per_entry, s.queries - s.per_entry * g
         stacked = padded_q.index_select(0, s.query_rows).view(e, per, h_kv, g, d)
         stacked = stacked.transpose(1, 2).reshape(e, h_kv, per * g, d)
-        keys = heads_k[:, s.a : s.b][None].expand(e, -1, -1, -1)  # [E, H_kv, C, D] views
-        values = heads_v[:, s.a : s.b][None].expand(e, -1, -1, -1)
+        if pad:
+            stacked = F.pad(stacked, (0, 0, 0, pad))  # zero queries: [E, H_kv, queries, D]
+        keys, values = keys.expand(e, -1, -1, -1), values.expand(e, -1, -1, -1)
         o, lse = _flash(stacked, keys, values, None, scale)
-        o = o.view(e, h_kv, per, g, d).transpose(1, 2).reshape(e * per, h_kv, g, d)[:r]
-        lse = lse.view(e, h_kv, per, g).transpose(1, 2).reshape(e * per, h_kv, g)[:r]
+        o, lse = o[:, :, : per * g], lse[:, :, : per * g]
+        o = o.reshape(e, h_kv, per, g, d).transpose(1, 2).reshape(e * per, h_kv, g, d)[:r]
+        lse = lse.reshape(e, h_kv, per, g).transpose(1, 2).reshape(e * per, h_kv, g)[:r]
         o_parts.index_put_((s.pieces, s.rows), o)
         lse_parts.index_put_((s.pieces, s.rows), lse.float())
     buffer = _buffer(scratch, plan.gather_numel, cache) if plan.gathers else None

@@ -232,10 +232,10 @@ def test_agents_on_a_shared_prefix_read_it_in_place_once_a_layer(
 
 def test_a_row_of_one_run_gets_the_fused_kernels_bits(one_thread: None) -> None:
     """In place, a row of one run goes through the kernel that returns log-sum-exps (to be
-    merged with other pieces where there are any), its queries stacked with zero queries to
-    fold_rows rows: alone its output is the same bits as scaled_dot_product_attention's over
-    the same keys and the same stacked queries (nothing else rounds it), and within
-    rounding of its own queries alone."""
+    merged with other pieces where there are any), its queries padded with zero queries to
+    invariant_queries if fewer: alone its output is the same bits as
+    scaled_dot_product_attention's over the same keys and a full entry of stacked queries
+    (nothing else rounds it), and within rounding of its own queries alone."""
     gen = torch.Generator().manual_seed(2)
     h_kv, group, n = 2, 3, 40
     cache = torch.randn(2, n + 1, BS, h_kv, D, generator=gen)
@@ -253,6 +253,84 @@ def test_a_row_of_one_run_gets_the_fused_kernels_bits(one_thread: None) -> None:
         q.view(1, h_kv, group, D), keys, values, scale=D**-0.5
     )
     assert (out - own.reshape(1, group * h_kv, D)).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("fewest", [None, "full"], ids=["measured", "no-smaller-count"])
+def test_a_row_alone_on_its_slice_is_not_padded_to_a_full_entry(
+    fewest: str | None, monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """A row that no other row of the step shares its slice with (an agent on its own
+    prompt) is attended in an entry of its own G queries, padded only up to
+    invariant_queries, not to a full stacked entry (which cost one row's layer 1.7-2.2x);
+    yet its bits are those it gets when other rows share the slice and their queries fill
+    full entries. Where the kernel agrees from no smaller count (no-smaller-count), the
+    entry is padded to the full count, with the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    h_kv, group, n, rows = 2, 3, 40, 7
+    per = attention_cpu.fold_rows(group)
+    assert rows > per  # two entries: a full one, then a padded one
+    if fewest == "full":
+        monkeypatch.setattr(attention_cpu, "invariant_queries", lambda *a: per * group)
+    most = attention_cpu.invariant_queries(torch.float32, D, per * group)
+    cache = torch.randn(2, n + 1, BS, h_kv, D, generator=gen)
+    q = torch.randn(rows, group * h_kv, D, generator=gen)
+    tables = torch.arange(n + 1)[None].expand(rows, -1)  # every row on one slice
+    lens = [n * BS - 2] * rows
+    flash = attention_cpu._flash
+    calls: list[tuple[int, int]] = []  # (batch entries, queries an entry)
+
+    def counting_flash(q_: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((q_.shape[0], q_.shape[2]))
+        return flash(q_, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_cpu, "_flash", counting_flash)
+    together = attention_cpu.paged_decode(q, cache, tables, lens, D**-0.5)
+    assert calls == [(2, per * group)]
+    for r in (0, per, rows - 1):  # first in a full entry, first and last of the padded one
+        calls.clear()
+        alone = attention_cpu.paged_decode(q[r : r + 1], cache, tables[:1], lens[:1], D**-0.5)
+        assert calls == [(1, max(group, most))]
+        assert torch.equal(alone[0], together[r]), r
+
+
+def test_invariant_queries_finds_where_the_kernels_bits_stop_depending_on_the_count(
+    monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """The probe against kernels that round differently: one whose bits change below 6
+    queries an entry gives 6; one whose bits depend on a query's place in the entry gives
+    the full count (every entry padded to it); the real kernel gives a count that it then
+    keeps to, bit for bit, at these shapes."""
+    flash = attention_cpu._flash
+
+    def below_six(q_: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = flash(q_, *args)  # type: ignore[arg-type]
+        return (o.nextafter(o + 1), lse) if q_.shape[2] < 6 else (o, lse)
+
+    def by_place(q_: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = flash(q_, *args)  # type: ignore[arg-type]
+        o = o.clone()
+        o[:, :, 0] = o[:, :, 0].nextafter(o[:, :, 0] + 1)
+        return o, lse
+
+    probe = attention_cpu.invariant_queries
+    try:
+        attention_cpu._probe.cache_clear()
+        monkeypatch.setattr(attention_cpu, "_flash", below_six)
+        assert probe(torch.float32, 16, 15) == 6
+        attention_cpu._probe.cache_clear()
+        monkeypatch.setattr(attention_cpu, "_flash", by_place)
+        assert probe(torch.float32, 16, 15) == 15
+    finally:
+        attention_cpu._probe.cache_clear()
+        monkeypatch.setattr(attention_cpu, "_flash", flash)
+    count = probe(torch.float32, 16, 15)
+    assert 1 <= count <= 15
+    gen = torch.Generator().manual_seed(4)
+    full = torch.randn(1, 1, 15, 16, generator=gen)
+    keys, values = torch.randn(2, 1, 1, 300, 16, generator=gen)
+    o_full, _ = flash(full, keys, values, None, 0.25)
+    o_few, _ = flash(full[:, :, :count], keys, values, None, 0.25)
+    assert torch.equal(o_few, o_full[:, :, :count])
 
 
 def test_a_steps_copies_reuse_one_buffer_across_layers(monkeypatch: pytest.MonkeyPatch) -> None:
