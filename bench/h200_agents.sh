@@ -1,0 +1,78 @@
+#!/bin/bash
+# The multi-agent comparison on the H200 (issue 10): ds4pool, llama-server with CUDA and
+# transformers serve on one 8B-shaped model, 16 / 32 / 64 agents, in two device calls.
+#   PHASE=prep  (~6-7 min): start llama.cpp's CUDA build (in the background, setsid, so it
+#               outlives the call), write the model (vocab 1024: every id decodes to text),
+#               convert it to GGUF, wait for the build.
+#   PHASE=run   (the next call, within the machine's 30 s warm time, or prep runs again):
+#               each server alone, one after the other, nothing else on the host.
+# Lessons of session 30 (docs/BENCHMARKS.md "Multi-agent workload on the H200", run E):
+# - nothing may run beside a measured server: the build (16 cores, even at nice 19) and the
+#   conversion beside ds4pool cut its tok/s to ~0.57x and bunched its streamed tokens (ITL
+#   p50 0.3 ms at 32 agents: the client read several tokens at once);
+# - llama-server's host prompt cache (--cache-ram, 8 GiB by default) thrashed at -np 32:
+#   457 evictions of ~350 MB, serialised, stalled its slots for seconds (resumed turns 36 and
+#   110 s): it runs here with --cache-ram 0 (its slots keep their KV anyway).
+# Run from the repository root with the wheels of the server stack and of transformers
+# serve in .whl (the device image lacks them: see the device README) and the packed
+# llama.cpp sources in .llama/llama_src.tgz (../shared/peers/pack_llama_src.sh); carry both.
+# Results: $OUT/<server>.tgz (agents_compare's JSON, logs, table) and $OUT/<server>.md.
+#   SERVERS="ds4pool llama-server transformers" AGENTS="16 32 64" PHASE=run bash bench/h200_agents.sh
+set -u
+PHASE=${PHASE:-run}
+SERVERS=${SERVERS:-"ds4pool llama-server transformers"}
+AGENTS=${AGENTS:-"16 32 64"}
+OUT=${OUT:-/tmp/h200_agents}
+LIMIT=${LIMIT:-570}  # seconds: stop starting runs after this, so that the results come back
+mkdir -p "$OUT" /tmp/ac
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+SRC=/tmp/llama/src
+WORK=(--model-dir /tmp/m8b --device cuda --kv-gb 40 --turns 4 --system-tokens 2400
+  --user-tokens 230 --gen-tokens 64 --think-s 0.2 0.2)
+
+if [ ! -f /tmp/llama/started ]; then
+  mkdir -p "$SRC" && touch /tmp/llama/started && tar xzf .llama/llama_src.tgz -C "$SRC"
+  setsid nohup bash -c "cd $SRC && cmake -B b -G Ninja -DGGML_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DCMAKE_BUILD_TYPE=Release >/tmp/llama/build.log 2>&1 &&
+    cmake --build b -j16 --target llama-server >>/tmp/llama/build.log 2>&1; echo \$? >/tmp/llama/rc" \
+    >/dev/null 2>&1 </dev/null &
+fi
+[ -f /tmp/m8b/config.json ] ||
+  python3 bench/write_random_model.py --preset llama3-8b --vocab 1024 /tmp/m8b --device cuda
+if [ ! -f /tmp/m8b.gguf ]; then
+  # a locally trained byte-level BPE has a pre-tokenizer hash the converter does not know:
+  # "gpt-2" is the byte-level split regex (../shared/peers/llama_cpp_cuda.sh)
+  python3 - "$SRC" /tmp/m8b /tmp/m8b.gguf <<'PY' 2>&1 | grep -v Writing | tail -2
+import runpy, sys
+lc, hf, out = sys.argv[1:4]
+sys.path.insert(0, lc); sys.path.insert(1, lc + "/gguf-py")
+import conversion.base as b
+b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = [lc + "/convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", out]
+runpy.run_path(lc + "/convert_hf_to_gguf.py", run_name="__main__")
+PY
+fi
+for _ in $(seq 480); do [ -f /tmp/llama/rc ] && break; sleep 1; done
+echo "llama.cpp build: rc $(cat /tmp/llama/rc 2>/dev/null || echo 'still running') at ${SECONDS} s"
+[ "$PHASE" = prep ] && exit 0
+
+for server in $SERVERS; do
+  extra=()
+  if [ "$server" = llama-server ]; then
+    extra=(--gguf /tmp/m8b.gguf --llama-server "$SRC/b/bin/llama-server" --llama-slots agents
+      --llama-slot-ctx 4096 --llama-args "-ngl 99 -fa on --cache-ram 0")
+  fi
+  for n in $AGENTS; do
+    left=$((LIMIT - SECONDS))
+    [ "$left" -gt 30 ] || { echo "no time left for $server N=$n"; continue; }
+    timeout "$left" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
+      "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 | grep -E "^\| $server |^FAILED"
+  done
+  tar czf "$OUT/$server.tgz" -C /tmp/ac $(cd /tmp/ac && ls -d "$server"-*) 2>/dev/null
+done
+echo "done at ${SECONDS} s"
