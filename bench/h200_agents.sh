@@ -16,7 +16,7 @@
 # Run from the repository root with the wheels of the server stack and of transformers
 # serve in .whl (the device image lacks them: see the device README) and the packed
 # llama.cpp sources in .llama/llama_src.tgz (../shared/peers/pack_llama_src.sh); carry both.
-# Results: $OUT/<server>.tgz (agents_compare's JSON, logs, table) and $OUT/<server>.md.
+# Results: $OUT/<server>.tgz (per run: agents_compare.md / .json, the server log).
 #   SERVERS="ds4pool llama-server transformers" AGENTS="16 32 64" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
@@ -33,7 +33,9 @@ SRC=/tmp/llama/src
 WORK=(--model-dir /tmp/m8b --device cuda --kv-gb 40 --turns 4 --system-tokens 2400
   --user-tokens 230 --gen-tokens 64 --think-s 0.2 0.2)
 
-if [ ! -f /tmp/llama/started ]; then
+llama=0  # llama.cpp is built and the model converted only where llama-server is wanted
+[ "$PHASE" = prep ] || [[ " $SERVERS " == *" llama-server "* ]] && llama=1
+if [ "$llama" = 1 ] && [ ! -f /tmp/llama/started ]; then
   mkdir -p "$SRC" && touch /tmp/llama/started && tar xzf .llama/llama_src.tgz -C "$SRC"
   setsid nohup bash -c "cd $SRC && cmake -B b -G Ninja -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -44,7 +46,7 @@ if [ ! -f /tmp/llama/started ]; then
 fi
 [ -f /tmp/m8b/config.json ] ||
   python3 bench/write_random_model.py --preset llama3-8b --vocab 1024 /tmp/m8b --device cuda
-if [ ! -f /tmp/m8b.gguf ]; then
+if [ "$llama" = 1 ] && [ ! -f /tmp/m8b.gguf ]; then
   # a locally trained byte-level BPE has a pre-tokenizer hash the converter does not know:
   # "gpt-2" is the byte-level split regex (../shared/peers/llama_cpp_cuda.sh)
   python3 - "$SRC" /tmp/m8b /tmp/m8b.gguf <<'PY' 2>&1 | grep -v Writing | tail -2
@@ -57,8 +59,10 @@ sys.argv = [lc + "/convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile",
 runpy.run_path(lc + "/convert_hf_to_gguf.py", run_name="__main__")
 PY
 fi
-for _ in $(seq 480); do [ -f /tmp/llama/rc ] && break; sleep 1; done
-echo "llama.cpp build: rc $(cat /tmp/llama/rc 2>/dev/null || echo 'still running') at ${SECONDS} s"
+if [ "$llama" = 1 ]; then
+  for _ in $(seq 480); do [ -f /tmp/llama/rc ] && break; sleep 1; done
+  echo "llama.cpp build: rc $(cat /tmp/llama/rc 2>/dev/null || echo 'still running') at ${SECONDS} s"
+fi
 [ "$PHASE" = prep ] && exit 0
 
 for server in $SERVERS; do
