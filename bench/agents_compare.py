@@ -122,6 +122,12 @@ def server_command(
     argv += ["--cb-max-batch-tokens", str(args.max_batch_tokens), "--device", args.device]
     argv += ["--dtype", args.dtype, *common, str(model_dir)]
     env["HF_HUB_OFFLINE"] = "1"
+    # its /v1/models (our readiness probe) scans the hub cache and answers 500 where that
+    # directory does not exist (a fresh machine: transformers 5.17 on the H200), and a big
+    # cache makes every call slow: an empty cache of the run's own (the model is a path)
+    hub = args.out / "hf-hub-cache"
+    hub.mkdir(parents=True, exist_ok=True)
+    env["HF_HUB_CACHE"] = str(hub)
     return argv, env, ["--no-ignore-eos", "--extra-body", TF_GEN_CONFIG]
 
 

@@ -92,3 +92,24 @@ def test_the_kv_budget_counts_the_dtypes_bytes(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 3}))
     assert kv_bytes_per_token(tmp_path) == 3 * 2 * 2 * 16 * 4
     assert kv_bytes_per_token(tmp_path, "bfloat16") == 3 * 2 * 2 * 16 * 2
+
+
+def test_transformers_serve_gets_an_empty_hub_cache_of_the_runs_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers serve's /v1/models (the readiness probe) fails where the hub cache
+    directory does not exist: the run gives it an existing, empty one under --out."""
+    exe = tmp_path / "transformers"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=":")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(
+        json.dumps({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2})
+    )
+    args = parse_args(
+        ["--device", "cuda", "--servers", "transformers", "--out", str(tmp_path / "o")]
+    )
+    argv, env, client = server_command("transformers", tmp_path / "m", 1234, args, 16)
+    assert Path(env["HF_HUB_CACHE"]).is_dir() and env["HF_HUB_OFFLINE"] == "1"
+    assert argv[argv.index("--device") + 1] == "cuda" and "--no-ignore-eos" in client
