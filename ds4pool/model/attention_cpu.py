@@ -38,9 +38,9 @@ to -inf and add exact zeros. With one thread a row's bits do not depend on its n
 where its pieces are of the same lengths (its in-place pieces always: a stacked entry's
 query count is at least invariant_queries, from which the kernel's bits for a query do not
 depend on the count or the query's place; its gathered piece if its group needs no
-padding). With more threads
-the kernel's split of a call across them can change the last bits with the call's batch
-size (seen on a 2-core EPYC), as padding does: within float rounding of the kernel's tiling.
+padding). With more threads the kernel's split of a call across them can change the last
+bits with the call's batch size (seen on a 2-core EPYC), as padding does: within float
+rounding of the kernel's tiling.
 
 Shapes: Bd = decode sequences, H = query heads, H_kv = key/value heads, G = H / H_kv,
 D = head_dim, bs = block_size, n = blocks gathered per sequence in a group, L = n * bs.
@@ -194,7 +194,8 @@ class SliceCall:
     """One kernel call over slots [a, b) of the cache, in place, for the rows that read
     exactly that slice (agents on one system prompt: all of them). The rows' queries are
     stacked `per_entry` rows to a batch entry of the call (the slice a stride-0 batch
-    dimension), the last entry padded with zero queries."""
+    dimension), each entry padded with zero queries to `queries` (the last one's missing
+    rows too)."""
 
     per_entry: int  # rows an entry: up to fold_rows(G) for rows' first runs, else 1
     queries: int  # queries an entry: per_entry * G, padded with zero queries to at least
@@ -247,11 +248,11 @@ def invariant_queries(dtype: torch.dtype, head_dim: int, most: int) -> int:
 
     The kernel runs its GEMMs on a block of the entry's queries, and the BLAS may take
     another path for few rows (on a Zen 1 EPYC with MKL: 1-3 rows round differently from
-    4-16, which agree), so this is measured, once a process per dtype / head_dim / thread count
-    (torch's, now), on random queries and keys of a few lengths: a count passes when each query's
-    output and log-sum-exp equal, bit for bit, its own in a full entry, and a full entry
-    reversed gives every query its bits. Where that fails, every entry is padded to `most`
-    (the bits then depend on nothing but that constant count)."""
+    4-16, which agree), so this is measured, once a process per dtype, head_dim and thread
+    count (torch's, now), on random queries and keys of a few lengths: a count passes when
+    each query's output and log-sum-exp equal, bit for bit, its own in a full entry, and a
+    full entry reversed gives every query its bits. Where that fails, every entry is padded
+    to `most` (the bits then depend on nothing but that constant count)."""
     return _probe(dtype, head_dim, most, torch.get_num_threads())
 
 
