@@ -128,7 +128,10 @@ def server_command(
     hub = args.out / "hf-hub-cache"
     hub.mkdir(parents=True, exist_ok=True)
     env["HF_HUB_CACHE"] = str(hub)
-    return argv, env, ["--no-ignore-eos", "--extra-body", TF_GEN_CONFIG]
+    # it lists no model served from a path, and 5.17 refuses any other name than the one it
+    # is pinned to (HTTP 400): the requests name the directory
+    client = ["--no-ignore-eos", "--extra-body", TF_GEN_CONFIG, "--model", str(model_dir)]
+    return argv, env, client
 
 
 def llama_server_command(port: int, args: argparse.Namespace, agents: int = 1) -> list[str]:
@@ -322,6 +325,8 @@ def targets(reports: list[dict[str, Any]]) -> list[str]:
     TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server. Every
     ds4pool variant (ds4pool:NAME) is compared like ds4pool."""
     by = {(r["server"], *_key(r)): r for r in reports}
+    if not reports:  # every run failed: the failures say why
+        return []
     n = max(r["workload"]["agents"] for r in reports)
     rounds = sorted({r.get("round", 0) for r in reports})
     ours = sorted({r["server"] for r in reports if r["server"].startswith("ds4pool")})

@@ -98,7 +98,8 @@ def test_transformers_serve_gets_an_empty_hub_cache_of_the_runs_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """transformers serve's /v1/models (the readiness probe) fails where the hub cache
-    directory does not exist: the run gives it an existing, empty one under --out."""
+    directory does not exist: the run gives it an existing, empty one under --out; its
+    requests name the model directory the server is pinned to."""
     exe = tmp_path / "transformers"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
@@ -113,3 +114,9 @@ def test_transformers_serve_gets_an_empty_hub_cache_of_the_runs_own(
     argv, env, client = server_command("transformers", tmp_path / "m", 1234, args, 16)
     assert Path(env["HF_HUB_CACHE"]).is_dir() and env["HF_HUB_OFFLINE"] == "1"
     assert argv[argv.index("--device") + 1] == "cuda" and "--no-ignore-eos" in client
+    # the requests name the model it is pinned to (5.17 answers 400 to any other name)
+    assert client[client.index("--model") + 1] == str(tmp_path / "m")
+
+
+def test_a_comparison_whose_runs_all_failed_has_no_target_lines() -> None:
+    assert targets([]) == []
