@@ -86,9 +86,9 @@ MAX_RUNS = 4
 # slice is not padded to a full entry (that made one row's layer 1.7-2.2x slower at 1.5-3k
 # tokens): its entry holds its G queries, padded to invariant_queries if fewer.
 FOLD_QUERIES = 16
-# Key counts of invariant_queries' probe: within one key block of the kernel, across two,
-# and a partial last block.
-_PROBE_KEYS = (37, 700, 1100)
+# Key counts of invariant_queries' probe: short and longer within one key block of the
+# kernel (512), across two, and three with a partial last block.
+_PROBE_KEYS = (16, 37, 300, 700, 1100)
 
 
 def forward(
