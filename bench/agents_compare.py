@@ -324,9 +324,9 @@ def targets(reports: list[dict[str, Any]]) -> list[str]:
     """The issue's targets at the largest N, as ratios of runs of the same round: resumed
     TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server. Every
     ds4pool variant (ds4pool:NAME) is compared like ds4pool."""
-    by = {(r["server"], *_key(r)): r for r in reports}
     if not reports:  # every run failed: the failures say why
         return []
+    by = {(r["server"], *_key(r)): r for r in reports}
     n = max(r["workload"]["agents"] for r in reports)
     rounds = sorted({r.get("round", 0) for r in reports})
     ours = sorted({r["server"] for r in reports if r["server"].startswith("ds4pool")})

@@ -206,7 +206,6 @@ class SliceCall:
     pieces: torch.Tensor  # [r] this slice's piece index in each row
     query_rows: torch.Tensor  # [entries * per_entry] rows of the queries (Bd: a zero row)
     entries: int
-    lone: tuple[int, int] | None  # (row, piece) of a call for one row, else None
 
 
 @dataclass(frozen=True)
@@ -349,7 +348,6 @@ def plan_decode(
                 ints([k for _, k in members]),
                 ints(rows + [bd] * (entries * per - len(rows))),
                 entries,
-                members[0] if len(members) == 1 else None,
             )
         )
     gather_calls = []
@@ -411,23 +409,13 @@ def run_decode(
         padded_q = torch.cat([group_q, group_q.new_zeros(1, h_kv, g, d)])  # row Bd: zeros
         heads_k, heads_v = _slot_heads(cache[0]), _slot_heads(cache[1])  # [H_kv, slots, D]
     for s in plan.slices:
-        keys = heads_k[:, s.a : s.b][None]  # [1, H_kv, C, D] views
-        values = heads_v[:, s.a : s.b][None]
-        if s.lone is not None:  # one row: its queries as they are (a few ops: ~20 us each)
-            row, piece = s.lone
-            own = group_q[row : row + 1]
-            if s.queries > g:
-                own = F.pad(own, (0, 0, 0, s.queries - g))
-            o, lse = _flash(own, keys, values, None, scale)
-            o_parts[piece, row] = o[0, :, :g]
-            lse_parts[piece, row] = lse[0, :, :g]
-            continue
         e, r, per, pad = s.entries, s.rows.numel(), s.per_entry, s.queries - s.per_entry * g
         stacked = padded_q.index_select(0, s.query_rows).view(e, per, h_kv, g, d)
         stacked = stacked.transpose(1, 2).reshape(e, h_kv, per * g, d)
         if pad:
             stacked = F.pad(stacked, (0, 0, 0, pad))  # zero queries: [E, H_kv, queries, D]
-        keys, values = keys.expand(e, -1, -1, -1), values.expand(e, -1, -1, -1)
+        keys = heads_k[:, s.a : s.b][None].expand(e, -1, -1, -1)  # [E, H_kv, C, D] views
+        values = heads_v[:, s.a : s.b][None].expand(e, -1, -1, -1)
         o, lse = _flash(stacked, keys, values, None, scale)
         o, lse = o[:, :, : per * g], lse[:, :, : per * g]
         o = o.reshape(e, h_kv, per, g, d).transpose(1, 2).reshape(e * per, h_kv, g, d)[:r]
