@@ -19,7 +19,10 @@ Measured per turn: TTFT (request sent → first content chunk), end-to-end time,
 inter-token latency (gaps between content chunks), usage (prompt, cached =
 `prompt_tokens_details.cached_tokens`, 0 when the server reports none, completion).
 Aggregate gen tok/s = completion tokens of all turns / wall time of the whole run (think
-pauses included). ds4pool's
+pauses included). The clock starts after a warm-up (`--warmup-requests`, default
+min(agents, 4)): that many concurrent first turns of the same size with texts of their own
+and no session, so that a fresh server's one-off costs (kernels compiled on first use) are
+not counted as the workload's. ds4pool's
 `ds4pool_session_moves_total` and `ds4pool_restore_decisions_total` (a returning session's KV
 read back or recomputed) are scraped from `/metrics` before and after (n/a elsewhere).
 Session ids repeat for a repeated seed: use a new `--seed` (or restart) per run.
@@ -231,10 +234,35 @@ async def run_agent(
         progress.advance()
 
 
+WARMUP_GEN_TOKENS = 8  # per warm-up request: enough for decode steps of all of them
+
+
+async def warm_up(client: Any, w: Workload, vocab: Sequence[str], requests: int) -> None:
+    """`requests` concurrent first turns of the workload's size (system + user tokens), each
+    with texts of its own and no session, before the clock starts: a fresh server's first
+    steps pay one-off costs (GPU kernels compiled for the prompt shapes a start-up capture
+    did not meet: 2-4 s on the H200, docs/BENCHMARKS.md run F) that are not the workload's.
+    The texts share nothing with the measured ones beyond the chat template's first tokens,
+    so no measured prompt is found cached because of them."""
+    warm = Workload(
+        **{**asdict(w), "session_header": False, "gen_tokens": min(w.gen_tokens, WARMUP_GEN_TOKENS)}
+    )
+    sizes = (w.system_tokens, w.user_tokens)
+
+    async def one(k: int) -> None:
+        rng = random.Random(f"warmup:{w.seed}:{k}")
+        system, user = (code_text(rng, vocab, n, w.tokens_per_word) for n in sizes)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        await run_turn(client, warm, messages, "", TurnResult(agent=-1 - k, turn=0, start=0.0))
+
+    await asyncio.gather(*(one(k) for k in range(requests)))
+
+
 async def run_workload(
-    url: str, w: Workload, api_key: str, timeout_s: float, warmup: bool, show_progress: bool
+    url: str, w: Workload, api_key: str, timeout_s: float, warmup: int, show_progress: bool
 ) -> tuple[list[TurnResult], float]:
-    """All agents concurrently; returns the turns and the wall time (after the warm-up)."""
+    """All agents concurrently after `warmup` unmeasured requests (`warm_up`); returns the
+    turns and the wall time of the measured part."""
     import openai
 
     client = openai.AsyncOpenAI(
@@ -242,15 +270,8 @@ async def run_workload(
     )
     vocab = make_vocab(w.seed)
     system = system_prompt(w, vocab)
-    if warmup:  # the first request of a fresh process pays one-off costs; not measured
-        warm = Workload(**{**asdict(w), "session_header": False, "gen_tokens": 4})
-        await run_turn(
-            client,
-            warm,
-            [{"role": "user", "content": "warm up"}],
-            "",
-            TurnResult(agent=-1, turn=0, start=0.0),
-        )
+    if warmup:
+        await warm_up(client, w, vocab, warmup)
     out: list[TurnResult] = []
     with Progress("agents", w.agents * w.turns, enabled=show_progress) as progress:
         t_start = time.perf_counter()
@@ -524,10 +545,16 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per-request timeout")
     p.add_argument(
-        "--no-warmup",
+        "--warmup-requests",
         dest="warmup",
-        action="store_false",
-        help="skip the unmeasured warm-up request",
+        type=int,
+        default=None,
+        metavar="K",
+        help="unmeasured concurrent first turns of the workload's size, with texts of their "
+        "own, sent before the clock starts (default: min(agents, 4); 0: none)",
+    )
+    p.add_argument(
+        "--no-warmup", dest="warmup", action="store_const", const=0, help="--warmup-requests 0"
     )
     p.add_argument("--out", type=Path, default=None, help="write <label>.json and <label>.png")
     p.add_argument("--label", default=None, help="run name (default: agents-<N>)")
@@ -547,6 +574,8 @@ def workload_from(args: argparse.Namespace, model: str) -> Workload:
         raise Ds4poolError("--system-tokens, --user-tokens, --tokens-per-word must be > 0")
     if lo < 0 or hi < lo:
         raise Ds4poolError("--think-s needs 0 <= MIN <= MAX")
+    if args.warmup is not None and args.warmup < 0:
+        raise Ds4poolError("--warmup-requests must be >= 0")
     return Workload(
         agents=args.agents,
         turns=args.turns,
@@ -588,8 +617,9 @@ def run_agents(args: argparse.Namespace) -> int:
     label = args.label or f"agents-{w.agents}"
     machine_before = _machine()
     before = scrape_counters(url, args.api_key)
+    warmup = min(w.agents, 4) if args.warmup is None else args.warmup
     turns, wall = asyncio.run(
-        run_workload(url, w, args.api_key, args.timeout_s, args.warmup, sys.stderr.isatty())
+        run_workload(url, w, args.api_key, args.timeout_s, warmup, sys.stderr.isatty())
     )
     report: dict[str, Any] = {
         "label": label,
@@ -599,6 +629,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "machine_before": machine_before,
         "machine_after": _machine(),
         "workload": asdict(w),
+        "warmup_requests": warmup,
         **summarize(turns, wall, w),
         **{k: moves_delta(before[k], v) for k, v in scrape_counters(url, args.api_key).items()},
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],

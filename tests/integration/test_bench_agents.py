@@ -72,3 +72,31 @@ def test_workload_text_is_seeded() -> None:
         return code_text(random.Random(seed), make_vocab(seed), 200, 6.0)
 
     assert text(1) == text(1) != text(2)
+
+
+def test_the_warm_up_computes_first_turns_that_no_measured_turn_reuses(
+    serve: Callable[..., Server], tmp_path: Path
+) -> None:
+    """The warm-up's requests (not measured) prefill prompts of a first turn's size on the
+    server, and the measured turns find nothing of them cached: the same reuse as a run
+    without a warm-up."""
+    cold, warm = serve(), serve()
+    a = _run(cold, tmp_path, "cold", "--agents", "1", "--no-warmup")
+    b = _run(warm, tmp_path, "warm", "--agents", "1", "--warmup-requests", "2")
+    assert (a["warmup_requests"], b["warmup_requests"]) == (0, 2)
+    assert [t["cached_tokens"] for t in a["turns"]] == [t["cached_tokens"] for t in b["turns"]]
+    assert a["turns"][0]["cached_tokens"] == 0 and b["turns_ok"] == 2
+    # the server computed and indexed the warm-up's prompts: about two more first turns
+    extra = warm.engine.pool.usage().device_blocks_indexed
+    extra -= cold.engine.pool.usage().device_blocks_indexed
+    assert extra >= a["turns"][0]["prompt_tokens"] // BLOCK_SIZE
+
+
+def test_the_default_warm_up_is_one_request_per_agent_up_to_four(
+    serve: Callable[..., Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = serve()
+    assert _run(server, tmp_path, "two")["warmup_requests"] == 2  # TINY: 2 agents
+    argv = ["bench", "agents", "--url", server.url, *TINY, "--warmup-requests", "-1"]
+    assert main(argv) != 0
+    assert "--warmup-requests must be >= 0" in capsys.readouterr().err
