@@ -25,6 +25,10 @@ default, or cuda, bfloat16 by default; `--dtype` overrides):
                   `--gguf`, the same weights converted by llama.cpp's convert_hf_to_gguf.py,
                   `-np --llama-slots -t --threads -c slots*--llama-slot-ctx`. It ignores
                   X-Session-Id (its slots reuse prompt prefixes).
+  - llama-server:NAME: llama-server with the extra flags of `--llama-variant NAME="FLAGS"`;
+                  an `-np K` (or `-np agents`) among them sets that server's slots and
+                  context (e.g. -np 4 next to one slot per agent: the same ITL at equal
+                  concurrency); compared to ds4pool like llama-server.
 Both get the same KV budget (`--kv-gb`: ds4pool's `--kv-device-gb`, transformers'
 `--cb-num-blocks` computed from the model's KV bytes per token and its 256-token pages) and
 the same per-step token budget (`--max-batch-tokens` / `--cb-max-batch-tokens`).
@@ -111,8 +115,9 @@ def server_command(
         argv += ["--max-batch-tokens", str(args.max_batch_tokens), *common]
         argv += shlex.split(variants.get(name, ""))
         return argv + (["--no-batching"] if name == "no-batching" else []), env, []
-    if name == "llama-server":
-        return llama_server_command(port, args, agents), env, []
+    llama_variants = dict(args.llama_variant)
+    if name == "llama-server" or name in llama_variants:
+        return llama_server_command(port, args, agents, llama_variants.get(name, "")), env, []
     exe = shutil.which("transformers")
     if exe is None:
         raise RuntimeError("the transformers CLI is not installed")
@@ -134,16 +139,38 @@ def server_command(
     return argv, env, client
 
 
-def llama_server_command(port: int, args: argparse.Namespace, agents: int = 1) -> list[str]:
+SLOT_FLAGS = ("-np", "--parallel")  # llama-server's slot count
+
+
+def split_slots(flags: str) -> tuple[int | str | None, list[str]]:
+    """A --llama-variant's flags: (its -np value if it has one, the other flags)."""
+    words, slots, rest = shlex.split(flags), None, []
+    it = iter(words)
+    for word in it:
+        if word in SLOT_FLAGS:
+            value = next(it, None)
+            if value is None:
+                raise argparse.ArgumentTypeError(f'{word} needs a slot count or "agents"')
+            slots = _slots(value)
+        else:
+            rest.append(word)
+    return slots, rest
+
+
+def llama_server_command(
+    port: int, args: argparse.Namespace, agents: int = 1, flags: str = ""
+) -> list[str]:
     exe = shutil.which(str(args.llama_server))
     if exe is None:
         raise RuntimeError(f"llama-server not found: {args.llama_server} (--llama-server PATH)")
     if args.gguf is None or not args.gguf.is_file():
         raise RuntimeError(f"llama-server needs --gguf FILE (got {args.gguf})")
-    slots = agents if args.llama_slots == "agents" else int(args.llama_slots)
+    own, extra = split_slots(flags)
+    want = args.llama_slots if own is None else own
+    slots = agents if want == "agents" else int(want)
     argv = [exe, "-m", str(args.gguf), "-np", str(slots), "-t", str(args.threads)]
     argv += ["-c", str(slots * args.llama_slot_ctx), "--metrics"]
-    argv += shlex.split(args.llama_args)
+    argv += shlex.split(args.llama_args) + extra
     return argv + ["--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -323,15 +350,22 @@ def _verdict(ok: bool) -> str:
 def targets(reports: list[dict[str, Any]]) -> list[str]:
     """The issue's targets at the largest N, as ratios of runs of the same round: resumed
     TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server. Every
-    ds4pool variant (ds4pool:NAME) is compared like ds4pool."""
+    ds4pool variant (ds4pool:NAME) is compared like ds4pool, and with every llama-server
+    variant (llama-server:NAME) as with llama-server."""
     if not reports:  # every run failed: the failures say why
         return []
     by = {(r["server"], *_key(r)): r for r in reports}
     n = max(r["workload"]["agents"] for r in reports)
     rounds = sorted({r.get("round", 0) for r in reports})
     ours = sorted({r["server"] for r in reports if r["server"].startswith("ds4pool")})
+    goals = {goal[0]: goal[1:] for goal in GOALS}
+    theirs = [  # every other server with goals, its variants (llama-server:NAME) too
+        (other, *goals[other.partition(":")[0]])
+        for other in dict.fromkeys(r["server"] for r in reports)
+        if other.partition(":")[0] in goals
+    ]
     lines = []
-    for mine, (other, ttft_goal, tps_goal, itl_goal) in itertools.product(ours, GOALS):
+    for mine, (other, ttft_goal, tps_goal, itl_goal) in itertools.product(ours, theirs):
         pairs = [
             _ratios(by[(mine, n, k)], by[(other, n, k)])
             for k in rounds
@@ -368,7 +402,7 @@ def plot(reports: list[dict[str, Any]], path: Path, title: str = "") -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=90)
-    servers = [s for s in SERVERS if any(r["server"] == s for r in reports)]
+    servers = list(dict.fromkeys(r["server"] for r in reports))  # variants too, run order
     n_max = max(r["workload"]["agents"] for r in reports)
     for s in servers:
         rs = sorted(
@@ -432,7 +466,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--servers",
         nargs="+",
         default=list(SERVERS),
-        help=f"any of {', '.join(SERVERS)} and the --variant names (ds4pool:NAME)",
+        help=f"any of {', '.join(SERVERS)} and the variants' names (ds4pool:NAME, "
+        "llama-server:NAME)",
     )
     p.add_argument(
         "--variant",
@@ -484,11 +519,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--llama-slot-ctx", type=int, default=8192, help="context per slot")
     p.add_argument("--llama-args", default="", help='more llama-server flags, e.g. "--poll 0"')
+    p.add_argument(
+        "--llama-variant",
+        action="append",
+        default=[],
+        type=_llama_variant,
+        metavar="NAME=FLAGS",
+        help="one more llama-server, llama-server:NAME, with these flags after --llama-args; "
+        '-np K or -np agents sets its slots, e.g. --llama-variant "np16=-np 16"; list it in '
+        "--servers",
+    )
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=Path("out/agents_compare"))
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
     args = p.parse_args(argv)
-    known = {*SERVERS, *(name for name, _ in args.variant)}
+    known = {*SERVERS, *(name for name, _ in args.variant + args.llama_variant)}
     if args.before_ref:
         known.add(BEFORE)
     elif BEFORE in args.servers:
@@ -511,12 +556,19 @@ def _slots(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f'expected a slot count or "agents", got {text!r}')
 
 
-def _variant(text: str) -> tuple[str, str]:
+def _variant(text: str, server: str = "ds4pool") -> tuple[str, str]:
     """NAME=FLAGS -> ("ds4pool:NAME", FLAGS)."""
     name, sep, flags = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=FLAGS, got {text!r}")
-    return f"ds4pool:{name.strip()}", flags
+    return f"{server}:{name.strip()}", flags
+
+
+def _llama_variant(text: str) -> tuple[str, str]:
+    """NAME=FLAGS -> ("llama-server:NAME", FLAGS), its -np checked now."""
+    name, flags = _variant(text, "llama-server")
+    split_slots(flags)
+    return name, flags
 
 
 @contextlib.contextmanager

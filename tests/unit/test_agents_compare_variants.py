@@ -120,3 +120,44 @@ def test_transformers_serve_gets_an_empty_hub_cache_of_the_runs_own(
 
 def test_a_comparison_whose_runs_all_failed_has_no_target_lines() -> None:
     assert targets([]) == []
+
+
+def test_a_llama_variant_sets_its_own_slots_and_context(tmp_path: Path) -> None:
+    """-np 4 and one slot per agent in one comparison: ITL at equal concurrency."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    args = parse_args(
+        ["--servers", "ds4pool", "llama-server", "llama-server:all", "llama-server:poll"]
+        + ["--llama-variant", "all=-np agents --poll 0", "--llama-variant", "poll=--poll 0"]
+        + ["--gguf", str(gguf), "--llama-server", str(exe), "--llama-args", "-fa on"]
+    )
+    plain, _, _ = server_command("llama-server", Path("/m"), 1234, args, 16)
+    every, _, _ = server_command("llama-server:all", Path("/m"), 1234, args, 16)
+    poll, _, _ = server_command("llama-server:poll", Path("/m"), 1234, args, 16)
+    assert plain[plain.index("-np") + 1] == "4" and "--poll" not in plain
+    assert every[every.index("-np") + 1] == "16" and every.count("-np") == 1
+    assert every[every.index("-c") + 1] == str(16 * args.llama_slot_ctx)
+    assert every[every.index("--poll") + 1] == "0" and "-fa" in every
+    assert poll[poll.index("-np") + 1] == "4" and "--poll" in poll
+    with pytest.raises(SystemExit):  # a slot count that is not one
+        parse_args(["--llama-variant", "x=-np zero"])
+    with pytest.raises(SystemExit):
+        parse_args(["--llama-variant", "x=--parallel"])
+    with pytest.raises(SystemExit):  # listed without its --llama-variant
+        parse_args(["--servers", "llama-server:x"])
+
+
+def test_ds4pool_is_held_to_llama_servers_goals_against_each_llama_variant() -> None:
+    lines = targets(
+        [
+            report("ds4pool", 0.4, 40.0),
+            report("llama-server", 0.05, 30.0),
+            report("llama-server:np16", 0.2, 20.0),
+        ]
+    )
+    assert len(lines) == 2
+    np16 = next(x for x in lines if "vs llama-server:np16" in x)
+    assert "gen tok/s 2.00x" in np16 and "ITL p50 2.00x theirs" in np16 and "met)" in np16
