@@ -13,6 +13,9 @@
 # - llama-server's host prompt cache (--cache-ram, 8 GiB by default) thrashed at -np 32:
 #   457 evictions of ~350 MB, serialised, stalled its slots for seconds (resumed turns 36 and
 #   110 s): it runs here with --cache-ram 0 (its slots keep their KV anyway).
+# - (run F) a fresh server's first prompts compile Triton kernels: in a ~7 s run that cost
+#   ds4pool 0.67x its tok/s at 16 agents; `ds4pool bench agents` now warms every server up
+#   with min(agents, 4) first turns of the workload's size before its clock starts.
 # Run from the repository root with the wheels of the server stack and of transformers
 # serve in .whl (the device image lacks them: see the device README) and the packed
 # llama.cpp sources in .llama/llama_src.tgz (../shared/peers/pack_llama_src.sh); carry both.
