@@ -10,6 +10,21 @@ decode to no text (llama.cpp pads its vocabulary the same way), which is fine fo
 speed but leaves an HTTP client nothing to time. The CPU multi-agent comparison with
 llama-server uses the second command (77M parameters).
 
+--text-ids-only zeroes the output rows (lm_head) of every id that does not decode to text on
+its own: special tokens, ids past the tokenizer's, and the 162 of the demo tokenizer's 1,024
+that are a fragment of a UTF-8 character (alone they decode to U+FFFD). Their logit is then
+exactly 0 while the other ids' are random of either sign, so greedy decoding never picks one
+(the largest of ~860 random logits is > 0). Every generated id then streams as text the step
+it is sampled. Without it a random model samples such fragments as often as any id, and
+servers that hold an incomplete character back (ds4pool, like vLLM) send two or more ids in
+one streamed chunk where llama-server sends one each: an HTTP client's inter-token latency
+is then a gap between chunks, not between tokens (docs/BENCHMARKS.md, session 31: 32 ids
+came in 12-22 chunks from ds4pool, 32 from llama-server, for the same text). Use it for
+workloads that time streamed text:
+
+    python bench/write_random_model.py --preset 100m --vocab 1024 --dtype float32 \
+        --text-ids-only /tmp/m77t
+
 The peers' figures in ../shared/peers/README.md were measured on this shape (hidden 4096,
 32 layers, GQA 32/8, vocab 8192: 7.05B parameters, 14.09 GB in bf16).
 """
@@ -30,6 +45,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4pool.model import demo  # noqa: E402
 from ds4pool.model.config import ModelConfig  # noqa: E402
 from ds4pool.model.loader import build_empty  # noqa: E402
+from ds4pool.model.tokenizer import Tokenizer  # noqa: E402
+
+REPLACEMENT = "\ufffd"
+
+
+def non_text_ids(tokenizer: Tokenizer, vocab: int) -> list[int]:
+    """Ids of [0, vocab) that stream no text of their own: none (special tokens, ids past the
+    tokenizer's), or a UTF-8 fragment (U+FFFD alone)."""
+    out = []
+    for i in range(vocab):
+        text = tokenizer.decode([i])
+        if not text or REPLACEMENT in text:
+            out.append(i)
+    return out
+
+
+def mute_non_text_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> list[int]:
+    """Zero the lm_head rows of `non_text_ids` (the model must not tie them to the
+    embeddings); returns those ids."""
+    head = model.lm_head.weight
+    if head.data_ptr() == model.model.embed_tokens.weight.data_ptr():
+        raise ValueError("lm_head is tied to the embeddings: muting would zero their rows too")
+    muted = non_text_ids(tokenizer, head.shape[0])
+    with torch.no_grad():
+        head[muted] = 0
+    return muted
 
 
 def main() -> None:
@@ -39,6 +80,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192, help="must be >= the demo tokenizer's")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--text-ids-only",
+        action="store_true",
+        help="zero lm_head's rows of ids that decode to no text or a UTF-8 fragment on their "
+        "own: greedy decoding streams one id per chunk on every server",
+    )
     args = ap.parse_args()
     tok_dir = demo.ensure_demo_model()
     out: Path = args.out
@@ -68,6 +115,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = build_empty(ModelConfig.from_hf(hf), torch.device(args.device), dtype)
     demo.init_random_(model, demo.DEMO_SEED)
+    if args.text_ids_only:
+        muted = mute_non_text_ids(model, Tokenizer.from_dir(out))
+        print(f"--text-ids-only: {len(muted)} of {args.vocab} ids muted", file=sys.stderr)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     n = sum(v.numel() for v in state.values())
