@@ -297,7 +297,10 @@ def _cpu(c: dict[str, float] | None) -> str:
 
 
 def table(reports: list[dict[str, Any]]) -> str:
-    refs = {_key(r): r for r in reports if r["server"] == "ds4pool"}
+    # the reference text: ds4pool's run, else the first ds4pool variant's (ds4pool:NAME)
+    mine = [r["server"] for r in reports if r["server"].startswith("ds4pool")]
+    ref = "ds4pool" if "ds4pool" in mine else next(iter(mine), None)
+    refs = {_key(r): r for r in reports if r["server"] == ref}
     rows = [HEADER]
     for r in reports:
         n, p = r["workload"]["agents"], r["prefill"]

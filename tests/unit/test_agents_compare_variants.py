@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agents_compare import kv_bytes_per_token, parse_args, server_command, targets
+from bench.agents_compare import kv_bytes_per_token, parse_args, server_command, table, targets
 
 
 def test_a_variant_is_ds4pool_serve_with_its_flags() -> None:
@@ -161,3 +161,26 @@ def test_ds4pool_is_held_to_llama_servers_goals_against_each_llama_variant() -> 
     assert len(lines) == 2
     np16 = next(x for x in lines if "vs llama-server:np16" in x)
     assert "gen tok/s 2.00x" in np16 and "ITL p50 2.00x theirs" in np16 and "met)" in np16
+
+
+def _full(server: str, sha: str) -> dict:
+    ms = {"p50": 0.1, "p95": 0.2}
+    return {
+        **report(server, 0.1, 10.0),
+        "turns_ok": 1,
+        "turns_planned": 1,
+        "ttft_first_s": ms,
+        "ttft_resumed_s": ms,
+        "itl_s": ms,
+        "wall_s": 1.0,
+        "prefill": {"computed": 1, "reused": 0},
+        "session_moves": None,
+        "machine_before": {"loadavg": [0.0]},
+        "turns": [{"agent": 0, "turn": 0, "reply_sha256": sha, "error": None}],
+    }
+
+
+def test_the_text_is_compared_with_a_ds4pool_variant_when_plain_ds4pool_did_not_run() -> None:
+    rows = table([_full("ds4pool:t2", "a"), _full("llama-server", "a"), _full("x", "b")])
+    same = [line.split("|")[12].strip() for line in rows.splitlines()[2:]]
+    assert same == ["1/1", "1/1", "0/1"]  # before: n/a, n/a, n/a
