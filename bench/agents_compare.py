@@ -73,7 +73,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4pool.bench.agents import moves_cell, ms_pair  # noqa: E402
+from ds4pool.bench.agents import chunk_note, moves_cell, ms_pair  # noqa: E402
 
 SERVERS = ("ds4pool", "no-batching", "transformers", "llama-server")
 BEFORE = "ds4pool:before"  # with --before-ref: ds4pool serve at that git ref
@@ -629,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         f"G={args.gen_tokens}, think {args.think_s[0]}-{args.think_s[1]} s, seed {args.seed}; "
         f"{datetime.now().isoformat(timespec='seconds')}, {time.monotonic() - t0:.0f} s in all"
     )
-    text = "\n".join([header, "", table(reports), "", *targets(reports), *failures])
+    notes = [n for r in reports if (n := chunk_note(r)) is not None]
+    text = "\n".join([header, "", table(reports), "", *targets(reports), *notes, *failures])
     print("\n" + text)
     (args.out / "agents_compare.md").write_text(text + "\n")
     (args.out / "agents_compare.json").write_text(

@@ -18,6 +18,10 @@ fixes every text and pause, so two runs (on two servers) send identical requests
 Measured per turn: TTFT (request sent → first content chunk), end-to-end time,
 inter-token latency (gaps between content chunks), usage (prompt, cached =
 `prompt_tokens_details.cached_tokens`, 0 when the server reports none, completion).
+ITL is per token only where every chunk carries one token: a server that holds an incomplete
+UTF-8 character back (ds4pool, vLLM) sends two ids of one character in one chunk, so the
+report gives `tokens_per_chunk` and the bench warns when it is above 1.05 (TPOT, a turn's
+mean time per token after the first, is per token either way).
 Aggregate gen tok/s = completion tokens of all turns / wall time of the whole run (think
 pauses included). The clock starts after a warm-up (`--warmup-requests`, default
 min(agents, 4)): that many concurrent first turns of the same size with texts of their own
@@ -386,6 +390,10 @@ def summarize(turns: list[TurnResult], wall: float, w: Workload) -> dict[str, An
         for t in ok
         if t.e2e is not None and t.ttft is not None and t.completion_tokens > 1
     ]
+    # a chunk can carry several tokens (a server holds an incomplete UTF-8 character back):
+    # ITL is then a gap between chunks, TPOT stays per token
+    timed = [t for t in ok if t.ttft is not None]
+    chunks = sum(len(t.gaps) + 1 for t in timed)
     by_turn = {
         str(k): stats([t.ttft for t in ok if t.turn == k and t.ttft is not None])
         for k in range(w.turns)
@@ -404,6 +412,10 @@ def summarize(turns: list[TurnResult], wall: float, w: Workload) -> dict[str, An
         "itl_s": stats([g for t in ok for g in t.gaps]),
         "tpot_s": stats(tpot),
         "completion_tokens": completion,
+        "content_chunks": chunks,
+        "tokens_per_chunk": (
+            sum(t.completion_tokens for t in timed) / chunks if chunks else float("nan")
+        ),
         "gen_tok_s": completion / wall if wall > 0 else 0.0,
         "usage_reported": all(t.usage_reported for t in ok) if ok else False,
         "prefill": _prefill(first, resumed),
@@ -423,6 +435,23 @@ def _prefill(first: list[TurnResult], resumed: list[TurnResult]) -> dict[str, in
         "computed_resumed": computed(resumed),
         "reused_resumed": sum(t.cached_tokens for t in resumed),
     }
+
+
+def chunk_note(report: dict[str, Any]) -> str | None:
+    """A warning when streamed chunks carried more than one token on average (5% slack):
+    the ITL column then times chunks, and comparing it with a server that streams one token
+    per chunk is not like with like."""
+    per = report.get("tokens_per_chunk")
+    if per is None or not per > 1.05:
+        return None
+    tpot = report["tpot_s"].get("p50")
+    tpot_ms = f"{tpot * 1e3:,.0f} ms" if tpot is not None else "n/a"
+    return (
+        f"{report['label']}: {report['completion_tokens']:,} tokens came in "
+        f"{report['content_chunks']:,} content chunks ({per:.2f} a chunk): ITL times chunks, "
+        f"not tokens (TPOT p50 {tpot_ms} is per token; a model whose ids all decode to text "
+        "alone streams one token a chunk: bench/write_random_model.py --text-ids-only)"
+    )
 
 
 def ms_pair(s: dict[str, Any]) -> str:
@@ -635,6 +664,8 @@ def run_agents(args: argparse.Namespace) -> int:
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))
+    if (note := chunk_note(report)) is not None:
+        print(note, file=sys.stderr)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{label}.json").write_text(json.dumps(report, indent=1) + "\n")

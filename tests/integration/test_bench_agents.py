@@ -50,6 +50,10 @@ def test_report_fields_and_reuse(
         assert first["cached_tokens"] % BLOCK_SIZE == 0
         # the whole previous turn (prompt + reply but its last sampled token) was reused
         assert second["cached_tokens"] == first["prompt_tokens"] + 4 - 1
+    # every streamed chunk is counted; the demo model's UTF-8 fragments can share one
+    chunks = sum(len(t["gaps"]) + 1 for t in report["turns"])
+    assert report["content_chunks"] == chunks <= report["completion_tokens"] == 16
+    assert report["tokens_per_chunk"] == 16 / chunks
     prefill = report["prefill"]
     assert prefill["reused_resumed"] > prefill["computed_resumed"]
     assert prefill["computed"] + prefill["reused"] == prefill["prompt_tokens"]

@@ -1,0 +1,45 @@
+"""`ds4pool bench agents`' summary: ITL is timed between streamed chunks, and a chunk may
+carry several tokens (a server holding an incomplete UTF-8 character back): the report
+counts chunks per token and warns when ITL is not per token."""
+
+from __future__ import annotations
+
+from ds4pool.bench.agents import TurnResult, Workload, chunk_note, summarize
+
+W = Workload(
+    agents=2, turns=1, system_tokens=10, user_tokens=5, gen_tokens=8,
+    think_min=0, think_max=0, seed=0, model="m",
+)  # fmt: skip
+
+
+def _turn(agent: int, tokens: int, chunks: int, gap: float) -> TurnResult:
+    # `chunks` chunks `gap` apart carry `tokens` tokens: e2e - ttft spans the chunks
+    return TurnResult(
+        agent=agent, turn=0, start=0.0, ttft=0.1, e2e=0.1 + gap * (chunks - 1),
+        gaps=[gap] * (chunks - 1), completion_tokens=tokens, usage_reported=True,
+    )  # fmt: skip
+
+
+def test_one_token_a_chunk_is_per_token_itl() -> None:
+    r = summarize([_turn(0, 8, 8, 0.02), _turn(1, 8, 8, 0.02)], 1.0, W)
+    assert r["content_chunks"] == 16 and r["tokens_per_chunk"] == 1.0
+    assert chunk_note({**r, "label": "x"}) is None
+    assert abs(r["itl_s"]["p50"] - r["tpot_s"]["p50"]) < 1e-9
+
+
+def test_two_tokens_a_chunk_is_flagged_and_tpot_stays_per_token() -> None:
+    # the same 8 tokens a turn, 0.02 s apart, streamed in 4 chunks of 2: gaps of 0.04 s
+    r = summarize([_turn(0, 8, 4, 0.04), _turn(1, 8, 4, 0.04)], 1.0, W)
+    assert r["content_chunks"] == 8 and r["tokens_per_chunk"] == 2.0
+    assert abs(r["itl_s"]["p50"] - 0.04) < 1e-9  # per chunk: twice the token gap
+    assert abs(r["tpot_s"]["p50"] - 0.12 / 7) < 1e-9  # (e2e - ttft) / (tokens - 1)
+    note = chunk_note({**r, "label": "srv"})
+    assert note is not None and note.startswith("srv: 16 tokens came in 8 content chunks")
+    assert "2.00 a chunk" in note
+
+
+def test_a_few_held_characters_stay_within_the_slack() -> None:
+    r = summarize([_turn(0, 21, 20, 0.02)], 1.0, W)  # 1.05 tokens a chunk
+    assert chunk_note({**r, "label": "x"}) is None
+    r = summarize([_turn(0, 22, 20, 0.02)], 1.0, W)  # 1.10
+    assert chunk_note({**r, "label": "x"}) is not None
