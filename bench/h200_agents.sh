@@ -3,9 +3,15 @@
 # transformers serve on one 8B-shaped model, 16 / 32 / 64 agents, in two device calls.
 #   PHASE=prep  (~6-7 min): start llama.cpp's CUDA build (in the background, setsid, so it
 #               outlives the call), write the model (vocab 1024: every id decodes to text),
-#               convert it to GGUF, wait for the build.
+#               convert it to GGUF, wait for the build. The model's lm_head rows of ids that
+#               stream no text alone are zero (--text-ids-only), so that every server streams
+#               one token per chunk and ITL is per token everywhere (session 31).
 #   PHASE=run   (the next call, within the machine's 30 s warm time, or prep runs again):
 #               each server alone, one after the other, nothing else on the host.
+#   PHASE=one   (one call, for when device time is short): the build and the conversion on
+#               all cores but four (taskset), every server and its client on those four;
+#               ds4pool runs while llama.cpp builds, llama-server after. The measured side
+#               then shares the host's memory and disk, not its cores, with the build.
 # Lessons of session 30 (docs/BENCHMARKS.md "Multi-agent workload on the H200", run E):
 # - nothing may run beside a measured server: the build (16 cores, even at nice 19) and the
 #   conversion beside ds4pool cut its tok/s to ~0.57x and bunched its streamed tokens (ITL
@@ -35,24 +41,30 @@ export PYTHONPATH=/tmp/site
 SRC=/tmp/llama/src
 WORK=(--model-dir /tmp/m8b --device cuda --kv-gb 40 --turns 4 --system-tokens 2400
   --user-tokens 230 --gen-tokens 64 --think-s 0.2 0.2)
+NCPU=$(nproc)
+BPIN="" JOBS=$NCPU PIN=()
+if [ "$PHASE" = one ]; then  # the measured side on the last four cores, the build elsewhere
+  BPIN="taskset -c 0-$((NCPU - 5))" JOBS=$((NCPU - 4)) PIN=(taskset -c "$((NCPU - 4))-$((NCPU - 1))")
+fi
 
 llama=0  # llama.cpp is built and the model converted only where llama-server is wanted
 [ "$PHASE" = prep ] || [[ " $SERVERS " == *" llama-server "* ]] && llama=1
 if [ "$llama" = 1 ] && [ ! -f /tmp/llama/started ]; then
   mkdir -p "$SRC" && touch /tmp/llama/started && tar xzf .llama/llama_src.tgz -C "$SRC"
-  setsid nohup bash -c "cd $SRC && cmake -B b -G Ninja -DGGML_CUDA=ON \
+  setsid nohup bash -c "cd $SRC && $BPIN cmake -B b -G Ninja -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DCMAKE_BUILD_TYPE=Release >/tmp/llama/build.log 2>&1 &&
-    cmake --build b -j16 --target llama-server >>/tmp/llama/build.log 2>&1; echo \$? >/tmp/llama/rc" \
+    $BPIN cmake --build b -j$JOBS --target llama-server >>/tmp/llama/build.log 2>&1; echo \$? >/tmp/llama/rc" \
     >/dev/null 2>&1 </dev/null &
 fi
 [ -f /tmp/m8b/config.json ] ||
-  python3 bench/write_random_model.py --preset llama3-8b --vocab 1024 /tmp/m8b --device cuda
-if [ "$llama" = 1 ] && [ ! -f /tmp/m8b.gguf ]; then
+  python3 bench/write_random_model.py --preset llama3-8b --vocab 1024 /tmp/m8b --device cuda \
+    --text-ids-only
+convert() {
   # a locally trained byte-level BPE has a pre-tokenizer hash the converter does not know:
   # "gpt-2" is the byte-level split regex (../shared/peers/llama_cpp_cuda.sh)
-  python3 - "$SRC" /tmp/m8b /tmp/m8b.gguf <<'PY' 2>&1 | grep -v Writing | tail -2
+  $BPIN python3 - "$SRC" /tmp/m8b /tmp/m8b.gguf.part <<'PY' 2>&1 | grep -v Writing | tail -2
 import runpy, sys
 lc, hf, out = sys.argv[1:4]
 sys.path.insert(0, lc); sys.path.insert(1, lc + "/gguf-py")
@@ -61,24 +73,37 @@ b.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = [lc + "/convert_hf_to_gguf.py", hf, "--outtype", "bf16", "--outfile", out]
 runpy.run_path(lc + "/convert_hf_to_gguf.py", run_name="__main__")
 PY
+  mv /tmp/m8b.gguf.part /tmp/m8b.gguf
+}
+if [ "$llama" = 1 ] && [ ! -f /tmp/m8b.gguf ] && [ ! -f /tmp/llama/converting ]; then
+  touch /tmp/llama/converting
+  if [ "$PHASE" = one ]; then convert >/tmp/llama/convert.log & else convert; fi
 fi
-if [ "$llama" = 1 ]; then
-  for _ in $(seq 480); do [ -f /tmp/llama/rc ] && break; sleep 1; done
-  echo "llama.cpp build: rc $(cat /tmp/llama/rc 2>/dev/null || echo 'still running') at ${SECONDS} s"
+wait_llama() {  # the build and the GGUF, within the time left
+  while [ ! -f /tmp/llama/rc ] || [ ! -f /tmp/m8b.gguf ]; do
+    [ $((LIMIT - SECONDS)) -gt 60 ] || return 1
+    sleep 1
+  done
+  echo "llama.cpp build: rc $(cat /tmp/llama/rc) at ${SECONDS} s"
+}
+if [ "$llama" = 1 ] && [ "$PHASE" != one ]; then
+  LIMIT=$((SECONDS + 480)) wait_llama || echo "llama.cpp build: still running at ${SECONDS} s"
 fi
 [ "$PHASE" = prep ] && exit 0
 
 for server in $SERVERS; do
   extra=()
   if [ "$server" = llama-server ]; then
+    wait_llama || { echo "llama-server: not built in time"; continue; }
     extra=(--gguf /tmp/m8b.gguf --llama-server "$SRC/b/bin/llama-server" --llama-slots agents
       --llama-slot-ctx 4096 --llama-args "-ngl 99 -fa on --cache-ram 0")
   fi
   for n in $AGENTS; do
     left=$((LIMIT - SECONDS))
     [ "$left" -gt 30 ] || { echo "no time left for $server N=$n"; continue; }
-    timeout "$left" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
+    timeout "$left" "${PIN[@]}" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
       "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 | grep -E "^\| $server |^FAILED"
+    echo "  ($server N=$n ended at ${SECONDS} s)"
   done
   tar czf "$OUT/$server.tgz" -C /tmp/ac $(cd /tmp/ac && ls -d "$server"-*) 2>/dev/null
 done
