@@ -48,13 +48,13 @@ def report(server: str, itl: float, tps: float) -> dict:
     }
 
 
+def _targets(*servers: tuple[str, float, float]) -> list[str]:
+    return targets([report(*s) for s in servers])
+
+
 def test_every_variant_gets_its_own_target_line() -> None:
-    lines = targets(
-        [
-            report("ds4pool", 0.4, 40.0),
-            report("ds4pool:main", 0.8, 20.0),
-            report("llama-server", 0.05, 30.0),
-        ]
+    lines = _targets(
+        ("ds4pool", 0.4, 40.0), ("ds4pool:main", 0.8, 20.0), ("llama-server", 0.05, 30.0)
     )
     assert len(lines) == 2
     mine = next(x for x in lines if x.startswith("N=16, ds4pool vs"))
@@ -63,14 +63,20 @@ def test_every_variant_gets_its_own_target_line() -> None:
     assert "gen tok/s 0.67x" in old and "ITL p50 16.00x" in old
 
 
-def test_the_gpu_comparison_serves_bf16_on_cuda_with_one_llama_slot_per_agent(
-    tmp_path: Path,
-) -> None:
+def _llama_files(tmp_path: Path) -> tuple[Path, Path]:
+    """An empty GGUF and an executable that stands in for llama-server (never started)."""
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")
     exe = tmp_path / "llama-server"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
+    return gguf, exe
+
+
+def test_the_gpu_comparison_serves_bf16_on_cuda_with_one_llama_slot_per_agent(
+    tmp_path: Path,
+) -> None:
+    gguf, exe = _llama_files(tmp_path)
     args = parse_args(
         ["--device", "cuda", "--servers", "ds4pool", "llama-server", "--llama-slots", "agents"]
         + ["--gguf", str(gguf), "--llama-server", str(exe), "--llama-args", "-ngl 99"]
@@ -124,11 +130,7 @@ def test_a_comparison_whose_runs_all_failed_has_no_target_lines() -> None:
 
 def test_a_llama_variant_sets_its_own_slots_and_context(tmp_path: Path) -> None:
     """-np 4 and one slot per agent in one comparison: ITL at equal concurrency."""
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"")
-    exe = tmp_path / "llama-server"
-    exe.write_text("#!/bin/sh\n")
-    exe.chmod(0o755)
+    gguf, exe = _llama_files(tmp_path)
     args = parse_args(
         ["--servers", "ds4pool", "llama-server", "llama-server:all", "llama-server:poll"]
         + ["--llama-variant", "all=-np agents --poll 0", "--llama-variant", "poll=--poll 0"]
@@ -151,12 +153,8 @@ def test_a_llama_variant_sets_its_own_slots_and_context(tmp_path: Path) -> None:
 
 
 def test_ds4pool_is_held_to_llama_servers_goals_against_each_llama_variant() -> None:
-    lines = targets(
-        [
-            report("ds4pool", 0.4, 40.0),
-            report("llama-server", 0.05, 30.0),
-            report("llama-server:np16", 0.2, 20.0),
-        ]
+    lines = _targets(
+        ("ds4pool", 0.4, 40.0), ("llama-server", 0.05, 30.0), ("llama-server:np16", 0.2, 20.0)
     )
     assert len(lines) == 2
     np16 = next(x for x in lines if "vs llama-server:np16" in x)
