@@ -12,6 +12,9 @@
 #               all cores but four (taskset), every server and its client on those four;
 #               ds4pool runs while llama.cpp builds, llama-server after. The measured side
 #               then shares the host's memory and disk, not its cores, with the build.
+#   PHASE=seq   (one call, less time still): the build on all cores while the model is
+#               written and converted, then for each N every server in turn, nothing beside
+#               them (the N-loop outside: the smallest N of every server comes back first).
 # Lessons of session 30 (docs/BENCHMARKS.md "Multi-agent workload on the H200", run E):
 # - nothing may run beside a measured server: the build (16 cores, even at nice 19) and the
 #   conversion beside ds4pool cut its tok/s to ~0.57x and bunched its streamed tokens (ITL
@@ -25,7 +28,7 @@
 # Run from the repository root with the wheels of the server stack and of transformers
 # serve in .whl (the device image lacks them: see the device README) and the packed
 # llama.cpp sources in .llama/llama_src.tgz (../shared/peers/pack_llama_src.sh); carry both.
-# Results: $OUT/<server>.tgz (per run: agents_compare.md / .json, the server log).
+# Results: $OUT/<server>-<N>.tgz (agents_compare.md / .json, the server log).
 #   SERVERS="ds4pool llama-server transformers" AGENTS="16 32 64" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
@@ -91,20 +94,24 @@ if [ "$llama" = 1 ] && [ "$PHASE" != one ]; then
 fi
 [ "$PHASE" = prep ] && exit 0
 
-for server in $SERVERS; do
-  extra=()
+one_run() {  # one server at one N, within the time left; its files under /tmp/ac
+  local server=$1 n=$2 extra=() left
   if [ "$server" = llama-server ]; then
-    wait_llama || { echo "llama-server: not built in time"; continue; }
+    wait_llama || { echo "llama-server: not built in time"; return; }
     extra=(--gguf /tmp/m8b.gguf --llama-server "$SRC/b/bin/llama-server" --llama-slots agents
       --llama-slot-ctx 4096 --llama-args "-ngl 99 -fa on --cache-ram 0")
   fi
-  for n in $AGENTS; do
-    left=$((LIMIT - SECONDS))
-    [ "$left" -gt 30 ] || { echo "no time left for $server N=$n"; continue; }
-    timeout "$left" "${PIN[@]}" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
-      "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 | grep -E "^\| $server |^FAILED"
-    echo "  ($server N=$n ended at ${SECONDS} s)"
-  done
-  tar czf "$OUT/$server.tgz" -C /tmp/ac $(cd /tmp/ac && ls -d "$server"-*) 2>/dev/null
-done
+  left=$((LIMIT - SECONDS))
+  [ "$left" -gt 30 ] || { echo "no time left for $server N=$n"; return; }
+  timeout "$left" "${PIN[@]}" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
+    "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 | grep -E "^\| $server |^FAILED"
+  echo "  ($server N=$n ended at ${SECONDS} s)"
+  tar czf "$OUT/$server-$n.tgz" -C /tmp/ac "$server-$n" 2>/dev/null
+}
+if [ "$PHASE" = seq ]; then
+  wait_llama || echo "llama.cpp: not built in time"
+  for n in $AGENTS; do for server in $SERVERS; do one_run "$server" "$n"; done; done
+else
+  for server in $SERVERS; do for n in $AGENTS; do one_run "$server" "$n"; done; done
+fi
 echo "done at ${SECONDS} s"
