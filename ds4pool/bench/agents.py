@@ -391,9 +391,8 @@ def summarize(turns: list[TurnResult], wall: float, w: Workload) -> dict[str, An
         if t.e2e is not None and t.ttft is not None and t.completion_tokens > 1
     ]
     # a chunk can carry several tokens (a server holds an incomplete UTF-8 character back):
-    # ITL is then a gap between chunks, TPOT stays per token
-    timed = [t for t in ok if t.ttft is not None]
-    chunks = sum(len(t.gaps) + 1 for t in timed)
+    # ITL is then a gap between chunks, TPOT stays per token; a turn without content failed
+    chunks = sum(len(t.gaps) + 1 for t in ok)
     by_turn = {
         str(k): stats([t.ttft for t in ok if t.turn == k and t.ttft is not None])
         for k in range(w.turns)
@@ -413,9 +412,7 @@ def summarize(turns: list[TurnResult], wall: float, w: Workload) -> dict[str, An
         "tpot_s": stats(tpot),
         "completion_tokens": completion,
         "content_chunks": chunks,
-        "tokens_per_chunk": (
-            sum(t.completion_tokens for t in timed) / chunks if chunks else float("nan")
-        ),
+        "tokens_per_chunk": completion / chunks if chunks else float("nan"),
         "gen_tok_s": completion / wall if wall > 0 else 0.0,
         "usage_reported": all(t.usage_reported for t in ok) if ok else False,
         "prefill": _prefill(first, resumed),
