@@ -89,7 +89,7 @@ wait_llama() {  # the build and the GGUF, within the time left
   done
   echo "llama.cpp build: rc $(cat /tmp/llama/rc) at ${SECONDS} s"
 }
-if [ "$llama" = 1 ] && [ "$PHASE" != one ]; then
+if [ "$llama" = 1 ] && [[ $PHASE == prep || $PHASE == run ]]; then  # one, seq: wait below
   LIMIT=$((SECONDS + 480)) wait_llama || echo "llama.cpp build: still running at ${SECONDS} s"
 fi
 [ "$PHASE" = prep ] && exit 0
