@@ -8,6 +8,7 @@
     python bench/agents_compare.py --device cuda --servers ds4pool llama-server transformers \
         --gguf m.gguf --llama-slots agents --llama-args "-ngl 99 -fa on" \
         --model-dir DIR --agents 16 32 64 --kv-gb 40          # the GPU comparison
+    python bench/agents_compare.py --merge out/a out/b --device cuda  # earlier runs, one table
 
 Servers (each started as its own process on a free loopback port; `--device` cpu, float32 by
 default, or cuda, bfloat16 by default; `--dtype` overrides):
@@ -255,6 +256,7 @@ def run_one(
         report = json.loads(report_path.read_text())
         report["server"], report["server_command"] = name, shlex.join(argv)
         report["round"], report["server_peak_rss"] = rnd, peak_rss_bytes(proc.pid)
+        report["device"] = args.device
         report["server_cpu"] = cpu_times(proc.pid)  # since the server started
         return report
     finally:
@@ -316,11 +318,12 @@ def table(reports: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-# (other server, resumed TTFT goal, tok/s goal, ITL goal: ds4pool's p50 at most goal x theirs)
+# (other server, resumed TTFT goal, tok/s goal, ITL goal: ds4pool's p50 at most goal x
+# theirs, per device: issue 10 asks for 2x llama-server -np 4's on CPU, at least its ITL on CUDA)
 GOALS = (
     ("no-batching", 10.0, 4.0, None),
     ("transformers", 1.0, 1.0, None),
-    ("llama-server", 1.0, 1.0, 2.0),
+    ("llama-server", 1.0, 1.0, {"cpu": 2.0, "cuda": 1.0}),
 )
 
 
@@ -351,14 +354,19 @@ def _verdict(ok: bool) -> str:
 
 
 def targets(reports: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets at the largest N, as ratios of runs of the same round: resumed
-    TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs llama-server. Every
-    ds4pool variant (ds4pool:NAME) is compared like ds4pool, and with every llama-server
-    variant (llama-server:NAME) as with llama-server."""
-    if not reports:  # every run failed: the failures say why
-        return []
+    """The issue's targets at every N (ITL and tok/s "at every N"), as ratios of runs of
+    the same round: resumed TTFT and tok/s vs no-batching and transformers; ITL and tok/s vs
+    llama-server (the ITL goal by the runs' device, "cpu" where a report does not say).
+    Every ds4pool variant (ds4pool:NAME) is compared like ds4pool, and with every
+    llama-server variant (llama-server:NAME) as with llama-server."""
+    lines: list[str] = []
+    for n in sorted({r["workload"]["agents"] for r in reports}):
+        lines += _targets_at(reports, n)
+    return lines
+
+
+def _targets_at(reports: list[dict[str, Any]], n: int) -> list[str]:
     by = {(r["server"], *_key(r)): r for r in reports}
-    n = max(r["workload"]["agents"] for r in reports)
     rounds = sorted({r.get("round", 0) for r in reports})
     ours = sorted({r["server"] for r in reports if r["server"].startswith("ds4pool")})
     goals = {goal[0]: goal[1:] for goal in GOALS}
@@ -368,12 +376,9 @@ def targets(reports: list[dict[str, Any]]) -> list[str]:
         if other.partition(":")[0] in goals
     ]
     lines = []
-    for mine, (other, ttft_goal, tps_goal, itl_goal) in itertools.product(ours, theirs):
-        pairs = [
-            _ratios(by[(mine, n, k)], by[(other, n, k)])
-            for k in rounds
-            if (mine, n, k) in by and (other, n, k) in by
-        ]
+    for mine, (other, ttft_goal, tps_goal, itl_goals) in itertools.product(ours, theirs):
+        rounds_of = [k for k in rounds if (mine, n, k) in by and (other, n, k) in by]
+        pairs = [_ratios(by[(mine, n, k)], by[(other, n, k)]) for k in rounds_of]
         if not pairs:
             continue
         med = {m: _median([p[m] for p in pairs]) for m in ("ttft", "tps", "itl")}
@@ -386,7 +391,8 @@ def targets(reports: list[dict[str, Any]]) -> list[str]:
             f"gen tok/s {med['tps']:.2f}x [{each['tps']}] "
             f"(target >= {tps_goal:g}x: {_verdict(med['tps'] >= tps_goal)})"
         )
-        if itl_goal is not None:
+        if itl_goals is not None:
+            itl_goal = itl_goals[by[(mine, n, rounds_of[0])].get("device", "cpu")]
             text += (
                 f", ITL p50 {med['itl']:.2f}x theirs [{each['itl']}] "
                 f"(target <= {itl_goal:g}x: {_verdict(med['itl'] <= itl_goal)})"
@@ -535,6 +541,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=Path("out/agents_compare"))
     p.add_argument("--plot", type=Path, default=None, help="default: <out>/agents_compare.png")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="start no server: one table, target lines and plot from earlier runs' "
+        "agents_compare.json (files, or the --out directories holding them), e.g. the "
+        "per-server runs of bench/h200_agents.sh; --device says which ITL goal applies to "
+        "runs that do not record it",
+    )
     args = p.parse_args(argv)
     known = {*SERVERS, *(name for name, _ in args.variant + args.llama_variant)}
     if args.before_ref:
@@ -608,6 +625,8 @@ def run_order(args: argparse.Namespace) -> list[tuple[int, int, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     if args.model_dir is None:
         from ds4pool.model.demo import ensure_demo_model
 
@@ -629,22 +648,56 @@ def main(argv: list[str] | None = None) -> int:
         f"G={args.gen_tokens}, think {args.think_s[0]}-{args.think_s[1]} s, seed {args.seed}; "
         f"{datetime.now().isoformat(timespec='seconds')}, {time.monotonic() - t0:.0f} s in all"
     )
+    title = (
+        f"{args.model_dir.name}, {args.device} {args.dtype}: S={args.system_tokens}, "
+        f"U={args.user_tokens}, G={args.gen_tokens}, {args.turns} turns, think "
+        f"{args.think_s[0]:g}-{args.think_s[1]:g} s, seed {args.seed}"
+    )
+    return write_results(args, header, title, reports, failures)
+
+
+def write_results(
+    args: argparse.Namespace,
+    header: str,
+    title: str,
+    reports: list[dict[str, Any]],
+    failures: list[str],
+) -> int:
+    """Print and write the table, the target lines and the plot; 1 if some run failed."""
     notes = [n for r in reports if (n := chunk_note(r)) is not None]
     text = "\n".join([header, "", table(reports), "", *targets(reports), *notes, *failures])
     print("\n" + text)
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "agents_compare.md").write_text(text + "\n")
     (args.out / "agents_compare.json").write_text(
         json.dumps({"header": header, "failures": failures, "reports": reports}, indent=1)
     )
     if reports:
-        title = (
-            f"{args.model_dir.name}, {args.device} {args.dtype}: S={args.system_tokens}, "
-            f"U={args.user_tokens}, "
-            f"G={args.gen_tokens}, {args.turns} turns, think {args.think_s[0]:g}-"
-            f"{args.think_s[1]:g} s, seed {args.seed}"
-        )
         plot(reports, args.plot or args.out / "agents_compare.png", title)
     return 1 if failures else 0
+
+
+def merge(args: argparse.Namespace) -> int:
+    """--merge: one comparison from the agents_compare.json of earlier runs."""
+    reports, failures, headers = [], [], []
+    for path in args.merge:
+        path = path / "agents_compare.json" if path.is_dir() else path
+        try:
+            data = json.loads(path.read_text())
+            runs, failed, header = data["reports"], data["failures"], data["header"]
+            if not (isinstance(runs, list) and all(isinstance(r, dict) for r in runs)):
+                raise TypeError("its reports are not a list of runs")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            sys.exit(f"agents_compare: {path} is not an agents_compare.json ({exc})")
+        reports += [{"device": args.device, **r} for r in runs]  # older runs lack "device"
+        failures += failed
+        headers.append(f"- {path}: {header}")
+    work = reports[0]["workload"] if reports else {}
+    title = ", ".join(f"{k}={work[k]}" for k in ("system_tokens", "user_tokens", "gen_tokens",
+                      "turns", "seed") if k in work)  # fmt: skip
+    title = f"{Path(str(work.get('model', ''))).name}: {title}"
+    header = "\n".join([f"merged from {len(args.merge)} comparison(s):", *headers])
+    return write_results(args, header, title, reports, failures)
 
 
 if __name__ == "__main__":

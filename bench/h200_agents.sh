@@ -28,7 +28,11 @@
 # Run from the repository root with the wheels of the server stack and of transformers
 # serve in .whl (the device image lacks them: see the device README) and the packed
 # llama.cpp sources in .llama/llama_src.tgz (../shared/peers/pack_llama_src.sh); carry both.
-# Results: $OUT/<server>-<N>.tgz (agents_compare.md / .json, the server log).
+# Results: $OUT/<server>-<N>.tgz (agents_compare.md / .json, the server log), and $OUT/all:
+# every run of the machine's /tmp/ac in one table with the target lines at every N
+# (`bench/agents_compare.py --merge`). Any SERVERS of agents_compare.py may be listed
+# (no-batching too: one request at a time, so ~2-3 min at 64 agents on an H100).
+# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit).
 #   SERVERS="ds4pool llama-server transformers" AGENTS="16 32 64" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
@@ -114,4 +118,7 @@ if [ "$PHASE" = seq ]; then
 else
   for server in $SERVERS; do for n in $AGENTS; do one_run "$server" "$n"; done; done
 fi
+# one table and the target lines at every N over all the runs above (and earlier calls')
+python3 bench/agents_compare.py --merge /tmp/ac/*/agents_compare.json --device cuda \
+  --out "$OUT/all" 2>&1 | grep -E "^N=|^\| " | grep -v "^| server"
 echo "done at ${SECONDS} s"

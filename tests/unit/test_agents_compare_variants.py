@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.agents_compare import kv_bytes_per_token, parse_args, server_command, table, targets
+from bench.agents_compare import (
+    kv_bytes_per_token,
+    main,
+    parse_args,
+    server_command,
+    table,
+    targets,
+)
 
 
 def test_a_variant_is_ds4pool_serve_with_its_flags() -> None:
@@ -182,3 +189,55 @@ def test_the_text_is_compared_with_a_ds4pool_variant_when_plain_ds4pool_did_not_
     rows = table([_full("ds4pool:t2", "a"), _full("llama-server", "a"), _full("x", "b")])
     same = [line.split("|")[12].strip() for line in rows.splitlines()[2:]]
     assert same == ["1/1", "1/1", "0/1"]  # before: n/a, n/a, n/a
+
+
+def _run(server: str, agents: int, itl: float, tps: float, device: str | None) -> dict:
+    r = {**_full(server, "a"), "workload": {"agents": agents, "model": "/m", "turns": 4}}
+    r["itl_s"], r["gen_tok_s"] = {"p50": itl, "p95": itl}, tps
+    return r if device is None else {**r, "device": device}
+
+
+def _comparison(path: Path, *runs: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "agents_compare.json").write_text(
+        json.dumps({"header": f"runs of {path.name}", "failures": [], "reports": list(runs)})
+    )
+    return path
+
+
+def test_merge_gives_one_table_and_the_targets_at_every_n(tmp_path: Path) -> None:
+    """bench/h200_agents.sh runs every server and N in a comparison of its own: --merge puts
+    them in one table and holds ds4pool to the goals at each N, by the runs' device (on
+    CUDA: at least llama-server's ITL; on CPU: at most 2x llama-server -np 4's)."""
+    a = _comparison(tmp_path / "a", _run("ds4pool", 16, 0.008, 900.0, "cuda"))
+    b = _comparison(tmp_path / "b", _run("llama-server", 16, 0.013, 500.0, "cuda"))
+    c = _comparison(  # older runs that did not record their device: --device says
+        tmp_path / "c",
+        _run("ds4pool", 64, 0.035, 1200.0, None),
+        _run("llama-server", 64, 0.030, 600.0, None),
+    )
+    out = tmp_path / "all"
+    args = ["--merge", str(a), str(b / "agents_compare.json"), str(c), "--device", "cuda"]
+    assert main([*args, "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    text = (out / "agents_compare.md").read_text()
+    assert text.count("\n| ds4pool |") == 2 and text.count("\n| llama-server |") == 2
+    n16 = next(x for x in text.splitlines() if x.startswith("N=16, ds4pool vs llama-server"))
+    n64 = next(x for x in text.splitlines() if x.startswith("N=64, ds4pool vs llama-server"))
+    assert "ITL p50 0.62x theirs [0.62] (target <= 1x: met)" in n16
+    assert "ITL p50 1.17x theirs [1.17] (target <= 1x: NOT met)" in n64
+    assert "gen tok/s 2.00x" in n64
+    merged = json.loads((out / "agents_compare.json").read_text())
+    assert {r["device"] for r in merged["reports"]} == {"cuda"} and "runs of a" in text
+    # the same 64-agent runs judged as CPU runs: 1.17x is within the 2x goal
+    cpu = main(["--merge", str(c), "--out", str(tmp_path / "cpu"), "--plot", str(tmp_path / "q")])
+    assert cpu == 0
+    assert "(target <= 2x: met)" in (tmp_path / "cpu" / "agents_compare.md").read_text()
+
+
+def test_merge_of_a_file_that_is_no_comparison_exits_with_a_message(tmp_path: Path) -> None:
+    bad = tmp_path / "x.json"
+    bad.write_text('{"reports": 3, "failures": [], "header": ""}')
+    with pytest.raises(SystemExit, match="is not an agents_compare.json"):
+        main(["--merge", str(bad), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="is not an agents_compare.json"):
+        main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
