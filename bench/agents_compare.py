@@ -410,7 +410,7 @@ def plot(reports: list[dict[str, Any]], path: Path, title: str = "") -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=90)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), dpi=90)
     servers = list(dict.fromkeys(r["server"] for r in reports))  # variants too, run order
     n_max = max(r["workload"]["agents"] for r in reports)
     for s in servers:
@@ -419,7 +419,9 @@ def plot(reports: list[dict[str, Any]], path: Path, title: str = "") -> None:
             key=lambda r: r["workload"]["agents"],
         )
         ns = [r["workload"]["agents"] for r in rs]
-        for ax, key in ((axes[0][0], "ttft_resumed_s"), (axes[0][1], "ttft_first_s")):
+        panels = ((axes[0][0], "ttft_resumed_s"), (axes[0][1], "ttft_first_s"),
+                  (axes[0][2], "itl_s"))  # fmt: skip
+        for ax, key in panels:
             (line,) = ax.plot(ns, [r[key]["p50"] * 1e3 for r in rs], "o-", label=f"{s} p50")
             ax.plot(ns, [r[key]["p95"] * 1e3 for r in rs], "--", color=line.get_color(),
                     alpha=0.5, label=f"{s} p95")  # fmt: skip
@@ -429,6 +431,7 @@ def plot(reports: list[dict[str, Any]], path: Path, title: str = "") -> None:
             med = [(int(k) + 1, v["p50"] * 1e3) for k, v in last["ttft_by_turn_s"].items()
                    if v["p50"] is not None]  # fmt: skip
             axes[1][1].plot(*zip(*med), "o-", label=s)
+    axes[1][2].axis("off")
     _decorate(axes, n_max, sorted({r["workload"]["agents"] for r in reports}))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -442,11 +445,11 @@ def _decorate(axes: Any, n_max: int, ns: list[int]) -> None:
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     some = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")  # 2s and 5s
     titles = (
-        ("resumed turns: TTFT (ms)", "first turn: TTFT (ms)"),
+        ("resumed turns: TTFT (ms)", "first turn: TTFT (ms)", "inter-token latency (ms)"),
         ("aggregate generated tok/s", f"TTFT p50 per turn at N={n_max} (ms; turn 1 = first)"),
     )
     for i, row in enumerate(axes):
-        for j, ax in enumerate(row):
+        for j, ax in enumerate(row[: len(titles[i])]):
             ax.set_title(titles[i][j], fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

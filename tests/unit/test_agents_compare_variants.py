@@ -194,6 +194,7 @@ def test_the_text_is_compared_with_a_ds4pool_variant_when_plain_ds4pool_did_not_
 def _run(server: str, agents: int, itl: float, tps: float, device: str | None) -> dict:
     r = {**_full(server, "a"), "workload": {"agents": agents, "model": "/m", "turns": 4}}
     r["itl_s"], r["gen_tok_s"] = {"p50": itl, "p95": itl}, tps
+    r["ttft_by_turn_s"] = {"0": {"p50": 0.1}, "1": {"p50": 0.1}}  # for the plot
     return r if device is None else {**r, "device": device}
 
 
