@@ -28,7 +28,11 @@ min(agents, 4)): that many concurrent first turns of the same size with texts of
 and no session, so that a fresh server's one-off costs (kernels compiled on first use) are
 not counted as the workload's. ds4pool's
 `ds4pool_session_moves_total` and `ds4pool_restore_decisions_total` (a returning session's KV
-read back or recomputed) are scraped from `/metrics` before and after (n/a elsewhere).
+read back or recomputed) are scraped from `/metrics` once the warm-up is over and at the end
+(n/a elsewhere), and so are the step histograms' counts and sums: `server_steps` says how
+many steps the measured part took, their mean wall and host ms, sequences and tokens a step,
+the steps whose decoders held prompts to a work cap, and the requests' mean queue wait
+(printed as one line).
 Session ids repeat for a repeated seed: use a new `--seed` (or restart) per run.
 """
 
@@ -44,7 +48,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -263,10 +267,17 @@ async def warm_up(client: Any, w: Workload, vocab: Sequence[str], requests: int)
 
 
 async def run_workload(
-    url: str, w: Workload, api_key: str, timeout_s: float, warmup: int, show_progress: bool
+    url: str,
+    w: Workload,
+    api_key: str,
+    timeout_s: float,
+    warmup: int,
+    show_progress: bool,
+    measured: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[list[TurnResult], float]:
     """All agents concurrently after `warmup` unmeasured requests (`warm_up`); returns the
-    turns and the wall time of the measured part."""
+    turns and the wall time of the measured part. `measured` is awaited between the two
+    (the server's counters before the measured part)."""
     import openai
 
     client = openai.AsyncOpenAI(
@@ -276,6 +287,8 @@ async def run_workload(
     system = system_prompt(w, vocab)
     if warmup:
         await warm_up(client, w, vocab, warmup)
+    if measured is not None:
+        await measured()
     out: list[TurnResult] = []
     with Progress("agents", w.agents * w.turns, enabled=show_progress) as progress:
         t_start = time.perf_counter()
@@ -302,22 +315,26 @@ COUNTERS = {
 }
 
 
-def scrape_counters(url: str, api_key: str) -> dict[str, dict[str, float] | None]:
-    """Each of COUNTERS summed by its labels ("ram->disk", "disk recompute"); None for a
-    counter the server does not export (another server, an older ds4pool)."""
+def scrape_metrics(url: str, api_key: str) -> str | None:
+    """The server's /metrics text; None where it answers none (another server's metrics
+    count as text: the parsers below find none of ds4pool's names in it)."""
     import httpx
 
-    out: dict[str, dict[str, float] | None] = dict.fromkeys(COUNTERS)
     try:
         resp = httpx.get(
             f"{url}/metrics", timeout=10, headers={"Authorization": f"Bearer {api_key}"}
         )
     except httpx.HTTPError:
-        return out
-    if resp.status_code != 200:
-        return out
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+def counters(text: str | None) -> dict[str, dict[str, float] | None]:
+    """Each of COUNTERS summed by its labels ("ram->disk", "disk recompute"); None for a
+    counter the server does not export (another server, an older ds4pool)."""
+    out: dict[str, dict[str, float] | None] = dict.fromkeys(COUNTERS)
     by_metric = {metric: (key, labels, sep) for key, (metric, labels, sep) in COUNTERS.items()}
-    for line in resp.text.splitlines():
+    for line in (text or "").splitlines():
         m = _SAMPLE_LINE.match(line)
         if m is None or m.group("name") not in by_metric:
             continue
@@ -329,6 +346,65 @@ def scrape_counters(url: str, api_key: str) -> dict[str, dict[str, float] | None
         cell = sep.join(labels.get(n, "?") for n in names)
         sums[cell] = sums.get(cell, 0.0) + float(m.group("value"))
     return out
+
+
+# the histograms behind the report's server_steps: key -> ds4pool metric
+HISTOGRAMS = {
+    "step": "ds4pool_step_duration_seconds",
+    "host": "ds4pool_step_host_seconds",
+    "rows": "ds4pool_batch_size",
+    "tokens": "ds4pool_batch_tokens",
+    "budget": "ds4pool_prefill_work_budget",
+    "queue_wait": "ds4pool_queue_wait_seconds",
+}
+_TOTAL_LINE = re.compile(r"^(?P<name>\w+)_(?P<part>count|sum)(?:\{[^}]*\})?\s+(?P<value>\S+)")
+
+
+def histogram_totals(text: str | None) -> dict[str, tuple[float, float]] | None:
+    """(count, sum) of each of HISTOGRAMS, summed over its labels; None where the text has
+    none of them (not ds4pool, or no metrics)."""
+    by_metric = {metric: key for key, metric in HISTOGRAMS.items()}
+    out: dict[str, list[float]] = {}
+    for line in (text or "").splitlines():
+        m = _TOTAL_LINE.match(line)
+        if m is None or m.group("name") not in by_metric:
+            continue
+        total = out.setdefault(by_metric[m.group("name")], [0.0, 0.0])
+        total[m.group("part") == "sum"] += float(m.group("value"))
+    return {k: (c, s) for k, (c, s) in out.items()} or None
+
+
+def server_steps(
+    before: dict[str, tuple[float, float]] | None, after: dict[str, tuple[float, float]] | None
+) -> dict[str, float | int | None] | None:
+    """The server's steps over the measured part, from its histograms' counts and sums:
+    how many, their mean wall and host ms, sequences and tokens a step, the steps whose
+    decoders held prompts to a work cap (whether or not a prompt waited) and that cap's mean,
+    and the requests admitted with their mean queue wait. None for a server without
+    ds4pool's metrics."""
+    if before is None or after is None:
+        return None
+
+    def delta(key: str) -> tuple[float, float]:
+        c0, s0 = before.get(key, (0.0, 0.0))
+        c1, s1 = after.get(key, (0.0, 0.0))
+        return c1 - c0, s1 - s0
+
+    def mean(key: str, scale: float = 1.0) -> float | None:
+        n, total = delta(key)
+        return total / n * scale if n > 0 else None
+
+    return {
+        "steps": int(delta("step")[0]),
+        "step_ms": mean("step", 1e3),
+        "host_ms": mean("host", 1e3),
+        "rows": mean("rows"),
+        "tokens": mean("tokens"),
+        "capped_steps": int(delta("budget")[0]),
+        "cap": mean("budget"),
+        "admitted": int(delta("queue_wait")[0]),
+        "queue_wait_ms": mean("queue_wait", 1e3),
+    }
 
 
 def moves_delta(
@@ -448,6 +524,27 @@ def chunk_note(report: dict[str, Any]) -> str | None:
         f"{report['content_chunks']:,} content chunks ({per:.2f} a chunk): ITL times chunks, "
         f"not tokens (TPOT p50 {tpot_ms} is per token; a model whose ids all decode to text "
         "alone streams one token a chunk: bench/write_random_model.py --text-ids-only)"
+    )
+
+
+def steps_note(report: dict[str, Any]) -> str | None:
+    """One line on the server's steps over the measured part (ds4pool's metrics; None for
+    other servers): where a gap or a resumed turn's wait went."""
+    st = report.get("server_steps")
+    if not st or not st["steps"]:
+        return None
+
+    def num(v: float | None, fmt: str) -> str:
+        return "n/a" if v is None else format(v, fmt)
+
+    busy = st["steps"] * (st["step_ms"] or 0.0) / 1e3
+    return (
+        f"{report['label']}: {st['steps']:,} steps of {num(st['step_ms'], '.1f')} ms "
+        f"({num(st['host_ms'], '.1f')} ms host; {busy:.1f} s in all, the run's wall "
+        f"{report['wall_s']:.1f} s), {num(st['rows'], '.1f')} sequences and "
+        f"{num(st['tokens'], ',.0f')} tokens a step; {st['capped_steps']:,} steps ran decoders "
+        f"under a prompt work cap (mean {num(st['cap'], ',.0f')}); {st['admitted']:,} "
+        f"requests admitted after {num(st['queue_wait_ms'], ',.0f')} ms in the queue on average"
     )
 
 
@@ -642,11 +739,17 @@ def run_agents(args: argparse.Namespace) -> int:
     w = workload_from(args, model)
     label = args.label or f"agents-{w.agents}"
     machine_before = _machine()
-    before = scrape_counters(url, args.api_key)
+    before: list[str | None] = []  # the server's metrics once the warm-up is over
+
+    async def measured() -> None:
+        before.append(await asyncio.to_thread(scrape_metrics, url, args.api_key))
+
     warmup = min(w.agents, 4) if args.warmup is None else args.warmup
     turns, wall = asyncio.run(
-        run_workload(url, w, args.api_key, args.timeout_s, warmup, sys.stderr.isatty())
+        run_workload(url, w, args.api_key, args.timeout_s, warmup, sys.stderr.isatty(), measured)
     )
+    after = scrape_metrics(url, args.api_key)
+    counted = {k: (counters(before[0])[k], v) for k, v in counters(after).items()}
     report: dict[str, Any] = {
         "label": label,
         "url": url,
@@ -657,12 +760,14 @@ def run_agents(args: argparse.Namespace) -> int:
         "workload": asdict(w),
         "warmup_requests": warmup,
         **summarize(turns, wall, w),
-        **{k: moves_delta(before[k], v) for k, v in scrape_counters(url, args.api_key).items()},
+        **{k: moves_delta(b, a) for k, (b, a) in counted.items()},
+        "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))
-    if (note := chunk_note(report)) is not None:
-        print(note, file=sys.stderr)
+    for note in (chunk_note(report), steps_note(report)):
+        if note is not None:
+            print(note, file=sys.stderr)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{label}.json").write_text(json.dumps(report, indent=1) + "\n")

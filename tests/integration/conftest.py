@@ -18,6 +18,7 @@ import uvicorn
 from ds4pool.api.app import create_app
 from ds4pool.api.config import ServerConfig
 from ds4pool.engine import Engine, EngineConfig
+from ds4pool.metrics import Metrics
 from ds4pool.model.loader import LoadedModel, load_model
 
 
@@ -44,11 +45,22 @@ def serve(loaded: LoadedModel) -> Iterator[Callable[..., Server]]:
     """Start servers (one per distinct config in a module); all stopped at module end."""
     running: list[tuple[uvicorn.Server, threading.Thread, Engine]] = []
 
-    def start(engine_kw: dict | None = None, **server_kw: object) -> Server:
+    def start(
+        engine_kw: dict | None = None, *, metrics: bool = False, **server_kw: object
+    ) -> Server:
+        """`metrics`: Prometheus metrics at /metrics, as `ds4pool serve` has them."""
         engine_cfg = EngineConfig(**{"kv_device_gb": 0.05, **(engine_kw or {})})
-        engine = Engine(engine_cfg, loaded=loaded)
+        m = Metrics() if metrics else None
+        engine = Engine(
+            engine_cfg,
+            loaded=loaded,
+            pool_observer=m.pool_observer() if m else None,
+            sched_observer=m.scheduler_observer() if m else None,
+        )
+        if m is not None:
+            m.bind(engine)
         cfg = ServerConfig(engine=engine_cfg, port=free_port(), **server_kw)  # type: ignore[arg-type]
-        app = create_app(cfg, engine, own_engine=False)
+        app = create_app(cfg, engine, metrics=m, own_engine=False)
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning")
         )

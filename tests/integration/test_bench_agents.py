@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ds4pool.bench.agents import code_text, make_vocab
+from ds4pool.bench.agents import code_text, make_vocab, steps_note
 from ds4pool.cli import main
 from tests.integration.conftest import Server
 
@@ -57,6 +57,26 @@ def test_report_fields_and_reuse(
     prefill = report["prefill"]
     assert prefill["reused_resumed"] > prefill["computed_resumed"]
     assert prefill["computed"] + prefill["reused"] == prefill["prompt_tokens"]
+
+
+def test_the_servers_steps_over_the_measured_part(
+    serve: Callable[..., Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Against a server with metrics the report says what its steps were while the clock
+    ran (not during the warm-up): how many, how long, rows and tokens, the queue wait."""
+    report = _run(serve(metrics=True), tmp_path, "steps")
+    st = report["server_steps"]
+    assert st["admitted"] == 4  # the measured turns: the 2 warm-up requests came before
+    # 4 turns of 4 tokens: a prompt step each (it samples the first token), 3 decode rows
+    assert 4 <= st["steps"] <= 4 * 4 and st["step_ms"] > 0 and st["host_ms"] >= 0
+    assert 1 <= st["rows"] <= 2 and st["tokens"] >= 1 and st["queue_wait_ms"] >= 0
+    assert report["session_moves"] is not None  # ds4pool's counters are there too
+    assert "steps: " in capsys.readouterr().err and f"{st['steps']:,} steps of" in (
+        steps_note(report) or ""
+    )
+    # a server without metrics: n/a, and no line
+    plain = _run(serve(), tmp_path, "plain")
+    assert plain["server_steps"] is None and steps_note(plain) is None
 
 
 def test_no_session_header_reuses_only_shared_blocks(
