@@ -32,11 +32,21 @@
 # every run of the machine's /tmp/ac in one table with the target lines at every N
 # (`bench/agents_compare.py --merge`). Any SERVERS of agents_compare.py may be listed
 # (no-batching too: one request at a time, so ~2-3 min at 64 agents on an H100).
-# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit).
+# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit). The work-cap
+# question of run G (resumed turns at 32 / 64 agents), after a prep call:
+#   SERVERS="ds4pool ds4pool:cap1280 ds4pool:cap2048" AGENTS="32 64" PHASE=seq \
+#   VARIANTS="cap1280=--max-prefill-cost 1280;cap2048=--max-prefill-cost 2048" \
+#   bash bench/h200_agents.sh
 #   SERVERS="ds4pool llama-server transformers" AGENTS="16 32 64" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
 SERVERS=${SERVERS:-"ds4pool llama-server transformers"}
+# ds4pool variants for SERVERS' ds4pool:NAME entries, ";"-separated NAME=FLAGS, e.g.
+# VARIANTS="cap1280=--max-prefill-cost 1280;cap2048=--max-prefill-cost 2048"
+VARIANTS=${VARIANTS:-}
+VARIANT_ARGS=()
+IFS=';' read -ra _variants <<<"$VARIANTS"
+for v in "${_variants[@]}"; do [ -n "$v" ] && VARIANT_ARGS+=(--variant "$v"); done
 AGENTS=${AGENTS:-"16 32 64"}
 OUT=${OUT:-/tmp/h200_agents}
 LIMIT=${LIMIT:-570}  # seconds: stop starting runs after this, so that the results come back
@@ -108,7 +118,8 @@ one_run() {  # one server at one N, within the time left; its files under /tmp/a
   left=$((LIMIT - SECONDS))
   [ "$left" -gt 30 ] || { echo "no time left for $server N=$n"; return; }
   timeout "$left" "${PIN[@]}" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
-    "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 | grep -E "^\| $server |^FAILED"
+    "${VARIANT_ARGS[@]}" "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 |
+    grep -E "^\| $server |^FAILED|^$server-N$n: "
   echo "  ($server N=$n ended at ${SECONDS} s)"
   tar czf "$OUT/$server-$n.tgz" -C /tmp/ac "$server-$n" 2>/dev/null
 }
