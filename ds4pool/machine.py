@@ -15,3 +15,23 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_topology(root: Path = Path("/sys/devices/system/cpu")) -> dict[str, int] | None:
+    """Physical cores and logical CPUs from Linux's sysfs topology (None elsewhere): two
+    logical CPUs may be two cores or one core's two hardware threads, which share its
+    execution units, and a thread count that pays on one is a guess on the other."""
+    cores: set[tuple[str, str]] = set()
+    logical = 0
+    for cpu in root.glob("cpu[0-9]*"):
+        topo = cpu / "topology"
+        try:
+            package = (topo / "physical_package_id").read_text().strip()
+            core = (topo / "core_id").read_text().strip()
+        except OSError:
+            continue
+        cores.add((package, core))
+        logical += 1
+    if not logical:
+        return None
+    return {"cores": len(cores), "logical_cpus": logical}

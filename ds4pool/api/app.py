@@ -24,6 +24,7 @@ from ds4pool.api.prefixes import prefix_router
 from ds4pool.api.prompt_limit import PromptLimit
 from ds4pool.api.sessions import admin_router, end_own_session, own_sessions, require_admin
 from ds4pool.engine import Engine
+from ds4pool.machine import cpu_topology
 
 log = logging.getLogger("ds4pool.api")
 
@@ -70,7 +71,9 @@ def startup_summary(state: ApiState, engine: Engine) -> str:
         else "off"
     )
     n = torch.get_num_threads()
-    cpu_threads = f" ({n} thread{'s' * (n != 1)})" if loaded.device.type == "cpu" else ""
+    topo = cpu_topology()  # two logical CPUs may be one core's two hardware threads
+    where = f"; {topo['cores']} cores, {topo['logical_cpus']} logical CPUs" if topo else ""
+    cpu_threads = f" ({n} thread{'s' * (n != 1)}{where})" if loaded.device.type == "cpu" else ""
     return (
         f"ds4pool {__version__}: model {state.model_name} ({loaded.config.architecture}) on "
         f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}{cpu_threads}; KV device "

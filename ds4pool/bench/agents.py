@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4pool.errors import Ds4poolError
-from ds4pool.machine import cpu_name
+from ds4pool.machine import cpu_name, cpu_topology
 from ds4pool.progress import Progress
 
 # Tokens per word of code_text() under the demo model's byte-level BPE (6.00-6.05 measured on
@@ -722,6 +722,7 @@ def _machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": cpu_name(),
+        "topology": cpu_topology(),  # physical cores vs logical CPUs (hardware threads)
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "loadavg": [round(x, 2) for x in load],

@@ -74,8 +74,11 @@ def test_sigterm_flushes_sessions_and_a_restart_resumes_them(
     finally:
         log = stop(proc)
     assert "model" in log and "KV device" in log  # the startup summary
-    threads = re.search(r"on cpu float32 \((\d+) threads?\)", log)
+    cores = r"(; (\d+) cores, (\d+) logical CPUs)?"
+    threads = re.search(rf"on cpu float32 \((\d+) threads?{cores}\)", log)
     assert threads, log  # on CPU it names the model's threads: auto leaves one core free
+    if Path("/sys/devices/system/cpu/cpu0/topology").is_dir():  # and the cores under them
+        assert threads[2] and 1 <= int(threads[3]) <= int(threads[4]), log
     if "OMP_NUM_THREADS" not in os.environ:
         assert 1 <= int(threads[1]) <= max(1, (os.cpu_count() or 1) - 1)
     assert "session=survivor" in log and "cached=0" in log  # one line per request
