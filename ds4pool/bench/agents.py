@@ -356,6 +356,7 @@ HISTOGRAMS = {
     "tokens": "ds4pool_batch_tokens",
     "budget": "ds4pool_prefill_work_budget",
     "queue_wait": "ds4pool_queue_wait_seconds",
+    "ttft": "ds4pool_time_to_first_token_seconds",  # from the request's arrival in the engine
 }
 _TOTAL_LINE = re.compile(r"^(?P<name>\w+)_(?P<part>count|sum)(?:\{[^}]*\})?\s+(?P<value>\S+)")
 
@@ -380,8 +381,9 @@ def server_steps(
     """The server's steps over the measured part, from its histograms' counts and sums:
     how many, their mean wall and host ms, sequences and tokens a step, the steps whose
     decoders held prompts to a work cap (whether or not a prompt waited) and that cap's mean,
-    and the requests admitted with their mean queue wait. None for a server without
-    ds4pool's metrics."""
+    the requests admitted with their mean queue wait, and their mean TTFT as the engine saw it
+    (from the request's arrival: what the client's TTFT adds is HTTP, parsing, streaming).
+    None for a server without ds4pool's metrics."""
     if before is None or after is None:
         return None
 
@@ -404,6 +406,7 @@ def server_steps(
         "cap": mean("budget"),
         "admitted": int(delta("queue_wait")[0]),
         "queue_wait_ms": mean("queue_wait", 1e3),
+        "ttft_ms": mean("ttft", 1e3),
     }
 
 
@@ -544,8 +547,17 @@ def steps_note(report: dict[str, Any]) -> str | None:
         f"{report['wall_s']:.1f} s), {num(st['rows'], '.1f')} sequences and "
         f"{num(st['tokens'], ',.0f')} tokens a step; {st['capped_steps']:,} steps ran decoders "
         f"under a prompt work cap (mean {num(st['cap'], ',.0f')}); {st['admitted']:,} "
-        f"requests admitted after {num(st['queue_wait_ms'], ',.0f')} ms in the queue on average"
+        f"requests admitted after {num(st['queue_wait_ms'], ',.0f')} ms in the queue on average, "
+        f"their first token {num(st.get('ttft_ms'), ',.0f')} ms after arrival (the client's "
+        f"mean TTFT: {num(_mean_ttft_ms(report), ',.0f')} ms)"
     )
+
+
+def _mean_ttft_ms(report: dict[str, Any]) -> float | None:
+    """The client's mean TTFT over all measured turns, first and resumed."""
+    parts = [report[k] for k in ("ttft_first_s", "ttft_resumed_s") if report[k].get("n")]
+    n = sum(p["n"] for p in parts)
+    return sum(p["mean"] * p["n"] for p in parts) / n * 1e3 if n else None
 
 
 def ms_pair(s: dict[str, Any]) -> str:

@@ -70,6 +70,9 @@ def test_the_servers_steps_over_the_measured_part(
     # 4 turns of 4 tokens: a prompt step each (it samples the first token), 3 decode rows
     assert 4 <= st["steps"] <= 4 * 4 and st["step_ms"] > 0 and st["host_ms"] >= 0
     assert 1 <= st["rows"] <= 2 and st["tokens"] >= 1 and st["queue_wait_ms"] >= 0
+    # the engine's TTFT (from arrival) is within what the client measured over HTTP
+    client = report["ttft_first_s"]["mean"] + report["ttft_resumed_s"]["mean"]
+    assert 0 < st["ttft_ms"] <= client / 2 * 1e3
     assert report["session_moves"] is not None  # ds4pool's counters are there too
     assert "steps: " in capsys.readouterr().err and f"{st['steps']:,} steps of" in (
         steps_note(report) or ""
