@@ -295,9 +295,17 @@ class CrashRun:
                             f"{text!r} != reference {ref_doc['choices'][0]['message']['content']!r}"
                         )
                     elif not resumed and cached != cached_tokens(ref_doc):
+                        # rare (1 of ~15 runs in session 33, log lost): the subject's own
+                        # lines on this session and its warnings say why when it recurs
+                        said = [
+                            ln
+                            for ln in self.subject.log().splitlines()
+                            if f"session={conv.session_id} " in ln or "WARNING" in ln
+                        ]
                         self.fail(
                             f"{conv.session_id} turn {conv.turns}: cached {cached}, the "
-                            f"reference {cached_tokens(ref_doc)} (KV lost without a crash)"
+                            f"reference {cached_tokens(ref_doc)} (KV lost without a crash); "
+                            "the subject's log on it:\n" + "\n".join(said[-12:])
                         )
                 last_g = g
                 if self.kills_done.is_set() and g == KILLS:
