@@ -70,10 +70,12 @@ def startup_summary(state: ApiState, engine: Engine) -> str:
         if (cfg.engine.kv_disk_dir)
         else "off"
     )
-    n = torch.get_num_threads()
-    topo = cpu_topology()  # two logical CPUs may be one core's two hardware threads
-    where = f"; {topo['cores']} cores, {topo['logical_cpus']} logical CPUs" if topo else ""
-    cpu_threads = f" ({n} thread{'s' * (n != 1)}{where})" if loaded.device.type == "cpu" else ""
+    cpu_threads = ""
+    if loaded.device.type == "cpu":
+        n = torch.get_num_threads()
+        topo = cpu_topology()  # two logical CPUs may be one core's two hardware threads
+        where = f"; {topo['cores']} cores, {topo['logical_cpus']} logical CPUs" if topo else ""
+        cpu_threads = f" ({n} thread{'s' * (n != 1)}{where})"
     return (
         f"ds4pool {__version__}: model {state.model_name} ({loaded.config.architecture}) on "
         f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}{cpu_threads}; KV device "

@@ -762,7 +762,7 @@ def run_agents(args: argparse.Namespace) -> int:
         run_workload(url, w, args.api_key, args.timeout_s, warmup, sys.stderr.isatty(), measured)
     )
     after = scrape_metrics(url, args.api_key)
-    counted = {k: (counters(before[0])[k], v) for k, v in counters(after).items()}
+    start, end = counters(before[0]), counters(after)
     report: dict[str, Any] = {
         "label": label,
         "url": url,
@@ -773,7 +773,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "workload": asdict(w),
         "warmup_requests": warmup,
         **summarize(turns, wall, w),
-        **{k: moves_delta(b, a) for k, (b, a) in counted.items()},
+        **{k: moves_delta(start[k], end[k]) for k in COUNTERS},
         "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
