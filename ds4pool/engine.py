@@ -79,6 +79,9 @@ class EngineConfig:
     # ... and at most what keeps a mixed step within this x the decode step it joins, from
     # measured step times (sched/step_time.py); None: by device (FACTOR_DEFAULTS); 0: off.
     itl_budget_factor: float | None = None
+    # ... and up to this x the token and work caps as prompts' last chunks that fit the
+    # single caps alone (a burst of short prompts, one step); None: by device; 1: off.
+    prefill_burst: int | None = None
     max_batch_size: int = 64
     coalesce_us: int = 0
     # write a step's results back while the device runs the next one (sched/worker.py):
@@ -130,6 +133,8 @@ class EngineConfig:
             raise ValueError("prefill_decode_ratio must be >= 0 (0: no relative cap)")
         if self.itl_budget_factor is not None:
             check_factor(self.itl_budget_factor)
+        if self.prefill_burst is not None and self.prefill_burst < 1:
+            raise ValueError("prefill_burst must be >= 1 (1: off)")
         if self.blas not in BLAS_LIBRARIES:
             raise ValueError(f"blas must be one of {', '.join(BLAS_LIBRARIES)}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -185,6 +190,17 @@ def prefill_cost(
     if cfg.prefill_decode_ratio is not None:
         ratio = cfg.prefill_decode_ratio
     return PrefillCost(scale, budget, chunk_sizes, decode_ratio=ratio, decode_row=row)
+
+
+# Default prefill_burst per device type: how many short prompts' last chunks may start in one
+# step next to decoders (sched/scheduler.py). 1 (off) until measured.
+PREFILL_BURST = {"cuda": 1, "cpu": 1, "mps": 1}
+
+
+def prefill_burst(cfg: EngineConfig, device: torch.device) -> int:
+    if cfg.prefill_burst is not None:
+        return cfg.prefill_burst
+    return PREFILL_BURST.get(device.type, PREFILL_BURST["cpu"])
 
 
 def itl_budget_factor(cfg: EngineConfig, device: torch.device) -> float:
@@ -270,6 +286,7 @@ class Engine:
                 max_prefill_tokens=prefill_tokens(cfg, loaded.device),
                 prefill_cost=prefill_cost(cfg, loaded.device, self.runner.graph_chunk_sizes),
                 itl_budget_factor=itl_budget_factor(cfg, loaded.device),
+                prefill_burst=prefill_burst(cfg, loaded.device),
                 max_batch_size=cfg.max_batch_size,
                 serialized=cfg.no_batching,
                 session_wait_s=cfg.session_wait_s,

@@ -124,6 +124,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--prefill-burst",
+        type=int,
+        default=None,
+        help="while others decode, up to N short prompts (each within the token and work "
+        "caps) may start in one step, N x the caps in all; a longer prompt's chunks keep the "
+        "single caps (default: 1, off)",
+    )
+    _flag(
+        g,
         "--prefill-cost-scale",
         type=int,
         default=None,
@@ -338,6 +347,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             prefill_cost_scale=args.prefill_cost_scale,
             prefill_decode_ratio=args.prefill_decode_ratio,
             itl_budget_factor=args.itl_budget_factor,
+            prefill_burst=args.prefill_burst,
             max_batch_size=args.max_batch_size,
             coalesce_us=args.coalesce_us,
             overlap=args.overlap,

@@ -20,10 +20,17 @@ class SchedulerConfig:
     # ... lowered so that a mixed step lasts <= this x a decode step, from measured step
     # times (sched/step_time.py; needs prefill_cost); 0: off
     itl_budget_factor: float = 0.0
+    # ... and up to this x both caps for prompts' last chunks that fit the single caps alone
+    # (a burst of short prompts starts in one step; a long prompt keeps the single caps)
+    prefill_burst: int = 1
     max_batch_size: int = 64
     serialized: bool = False  # --no-batching: one request at a time, one live session
     session_wait_s: float = 120.0  # how long a request may wait for its busy session
     queue: QueueConfig = field(default_factory=QueueConfig)
+
+    def __post_init__(self) -> None:
+        if self.prefill_burst < 1:
+            raise ValueError("prefill_burst must be >= 1 (1: off)")
 
 
 class SchedulerObserver:

@@ -7,7 +7,14 @@ running and newly admitted requests, under `max_batch_tokens` and `max_batch_siz
 While any request decodes, prompt chunks also share `max_prefill_tokens` and, with
 `prefill_cost`, a budget of work that counts their attention over the context
 (sched/prefill_cost.py), lowered to what a decoder's ITL affords by sched/step_time.py: a
-step's length is set by its prefill work, and every decoder waits for the whole step. This
+step's length is set by its prefill work, and every decoder waits for the whole step.
+`prefill_burst` B > 1 lets up to B x those caps into a step, but only as prompts' last
+chunks that would each fit the single caps alone: when many short prompts wait (agents'
+resumed turns ending together), B of them start per step instead of one or two, while a
+long prompt still advances by the single caps (its chunks do not end it) and its decoders'
+gaps stay as they were. A burst step lasts longer, but the decoders lose no throughput over
+the steps it replaces (the same prompt work, in fewer steps) and the prompts queue less
+(vLLM's long-prefill threshold next to a larger step budget is the same idea). This
 module decides who runs, reserves blocks, preempts and finishes; a waiting request is made
 ready by sched/admission.py, a step's rows are sized and assembled by sched/step.py, its
 results are written back by sched/writeback.py (in two halves, so the worker can overlap
@@ -127,7 +134,10 @@ class Scheduler:
             step, [s for s in order if s.num_pending == 1], self.cfg.max_batch_tokens
         )
         if step.seqs:  # someone decodes: prompt chunks share the smaller prefill budget
-            budget = min(budget, self.cfg.max_prefill_tokens)
+            extra = self.cfg.prefill_burst - 1  # ... and short prompts' last chunks more
+            budget = min(budget, self.cfg.max_prefill_tokens * (1 + extra))
+            step.tokens_left = step.cap_tokens = self.cfg.max_prefill_tokens
+            step.burst_tokens = self.cfg.max_prefill_tokens * extra
             cost = self.cfg.prefill_cost
             if cost is not None:  # decoders' KV: before this step's token
                 cap = cost.step_budget([s.num_computed for s in step.seqs])
@@ -135,6 +145,7 @@ class Scheduler:
                 step.work_left = self.step_time.budget(
                     len(step.seqs), cap, cost.cost(0, cost.min_chunk)
                 )
+                step.cap_work, step.burst_work = step.work_left, step.work_left * extra
                 self.observer.prefill_budget(step.work_left)
         budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
         self._admit(step, budget)

@@ -32,6 +32,16 @@ class Step:
     # prompt work left (PrefillCost token-equivalents) while others decode; None: no cap
     work_left: float | None = None
     prompt_chunks: int = 0  # chunks sized under work_left so far (the first is rounded)
+    # While others decode: prompt tokens left for chunks (None: nobody decodes, only the
+    # caller's token budget), and the burst room (sched/scheduler.py, --prefill-burst) that
+    # only a prompt's last chunk may use, and only one that would fit the single caps alone
+    # (<= cap_tokens and <= cap_work): a burst of short prompts joins one step, while a long
+    # prompt's chunks keep the single caps.
+    tokens_left: int | None = None
+    burst_tokens: int = 0
+    burst_work: float = 0.0
+    cap_tokens: int = 0
+    cap_work: float = 0.0
     # (tenant, tokens) of the rows added and not yet charged to the queue (the scheduler
     # charges a build's rows in one go, not under a lock per row)
     uncharged: list[tuple[str, int]] = field(default_factory=list)
@@ -40,12 +50,38 @@ class Step:
         """Tokens of seq for this step: within the token budget and, for a prompt chunk next
         to decoders, the work budget (charged here, even if its blocks then do not fit)."""
         n = min(seq.num_pending, budget)
-        if self.work_left is None or cost is None or n <= 1:
+        if self.tokens_left is None or n <= 1:
             return n
-        n = cost.chunk(seq.num_computed, n, self.work_left, self.prompt_chunks == 0)
-        self.work_left -= cost.cost(seq.num_computed, n)
-        self.prompt_chunks += 1
+        if n == seq.num_pending and self._last_chunk(seq.num_computed, n, cost):
+            return n
+        n = min(n, self.tokens_left)
+        if self.work_left is not None and cost is not None and n > 0:
+            n = cost.chunk(seq.num_computed, n, self.work_left, self.prompt_chunks == 0)
+            self.work_left -= cost.cost(seq.num_computed, n)
+            self.prompt_chunks += 1
+        self.tokens_left -= n
         return n
+
+    def _last_chunk(self, start: int, n: int, cost: PrefillCost | None) -> bool:
+        """Takes a prompt's last n tokens whole if they fit what is left of the single caps,
+        or would fit them alone and fit with the burst room; charged to the single caps
+        first. Without burst room this is the plain cap (a last chunk that fits is taken
+        whole; one that does not is sized by the caller)."""
+        assert self.tokens_left is not None
+        if n > self.tokens_left + self.burst_tokens or n > max(self.cap_tokens, self.tokens_left):
+            return False
+        work = 0.0
+        if self.work_left is not None and cost is not None:
+            work = cost.cost(start, n)
+            left = max(self.work_left, 0.0)
+            if work > left + self.burst_work or work > max(self.cap_work, left):
+                return False
+            self.burst_work -= max(0.0, work - left)
+            self.work_left -= min(work, left)
+            self.prompt_chunks += 1
+        self.burst_tokens -= max(0, n - self.tokens_left)
+        self.tokens_left = max(0, self.tokens_left - n)
+        return True
 
     def sample(self, seconds: float, cost: PrefillCost | None) -> StepSample:
         """What the step cost, for kv/cost.py and sched/step_time.py: decode rows (one token

@@ -155,3 +155,103 @@ def test_chunks_next_to_decoders_follow_their_work(loaded: LoadedModel, ratio: f
     hi = longest(0, ratio * 8 * decoders * (1 + (3 + gen) / 4096))
     assert body and all(lo <= n <= hi for n in body), (lo, hi, body)
     assert hi < 40  # well under the 64 tokens of the token cap alone
+
+
+def burst_script(loaded: LoadedModel, burst: int) -> list[list[tuple[str, int, int]]]:
+    """One decoder, then a 400-token prompt and five 40-token prompts arriving together,
+    under a 64-token / 96-unit cap (K 256). This thread drives the steps; returns every
+    step's rows as (session, tokens before the row, tokens in it)."""
+    cfg = EngineConfig(
+        kv_device_gb=0.05,
+        max_batch_tokens=512,
+        max_prefill_tokens=TOKEN_CAP,
+        max_prefill_cost=BUDGET,
+        prefill_cost_scale=SCALE,
+        prefill_burst=burst,
+        overlap="off",
+    )
+    e = Engine(cfg, loaded=loaded)
+    e.worker.stop()
+    sched = e.scheduler
+    steps: list[list[tuple[str, int, int]]] = []
+    build = sched.schedule
+
+    def record():  # noqa: ANN202 - Step | None
+        step = build()
+        if step is not None:
+            steps.append(
+                [
+                    (seq.req.session_id or "", inp.num_computed, n)
+                    for seq, n, inp in zip(step.seqs, step.counts, step.inputs)
+                ]
+            )
+        return step
+
+    sched.schedule = record  # type: ignore[method-assign]
+    rng = random.Random(11)
+    try:
+        dec = sched.submit(
+            Request(session_id="dec", prompt_ids=[5, 6, 7, 8], max_tokens=500, ignore_eos=True)
+        )
+        for _ in range(3):  # its prompt, then it decodes
+            e.worker.step_once()
+        long_ = sched.submit(
+            Request(
+                session_id="long",
+                prompt_ids=[rng.randrange(4, 200) for _ in range(400)],
+                max_tokens=1,
+            )
+        )
+        shorts = [
+            sched.submit(
+                Request(
+                    session_id=f"s{i}",
+                    prompt_ids=[rng.randrange(4, 200) for _ in range(40)],
+                    max_tokens=1,
+                )
+            )
+            for i in range(5)
+        ]
+        steps.clear()
+        for _ in range(30):  # the decoder goes on; the prompts need ~12 steps at most
+            e.worker.step_once()
+        for s in (long_, *shorts):
+            _, _, final = s.collect(timeout=10)
+            assert final.error is None, final.error
+        dec.cancel()
+    finally:
+        e.close()
+    return steps
+
+
+def test_a_burst_of_short_prompts_starts_together_and_a_long_one_keeps_its_pace(
+    loaded: LoadedModel,
+) -> None:
+    """--prefill-burst 3: the five short prompts start within two steps next to the
+    decoder instead of waiting behind the long prompt (which came first and, without the
+    burst, takes the whole cap every step); the long prompt's chunks are the same either
+    way, and no step holds more than 3 x the caps of prompt work."""
+    plain, burst = burst_script(loaded, 1), burst_script(loaded, 3)
+
+    def ended(steps: list[list[tuple[str, int, int]]], sid: str) -> int:  # its prompt's step
+        return max(i for i, rows in enumerate(steps) if any(r[0] == sid for r in rows))
+
+    def chunks(steps: list[list[tuple[str, int, int]]], sid: str) -> list[int]:
+        return [n for rows in steps for s, _, n in rows if s == sid]
+
+    shorts = [f"s{i}" for i in range(5)]
+    assert chunks(plain, "long") == chunks(burst, "long")  # its pace is unchanged
+    assert sum(chunks(burst, "long")) == 400 and max(chunks(burst, "long")) <= TOKEN_CAP
+    long_done = ended(plain, "long")
+    assert long_done >= 6 and all(ended(plain, s) >= long_done for s in shorts)  # behind it
+    assert max(ended(burst, s) for s in shorts) <= 1  # all five within two steps, whole
+    assert all(chunks(burst, s) == [40] for s in shorts)
+    cost = prefill_cost(
+        EngineConfig(max_prefill_cost=BUDGET, prefill_cost_scale=SCALE), torch.device("cpu")
+    )
+    assert cost is not None
+    for rows in burst:
+        prompt = [(start, n) for sid, start, n in rows if sid != "dec"]
+        assert any(sid == "dec" for sid, _, _ in rows)  # the decoder is in every step
+        assert sum(n for _, n in prompt) <= 3 * TOKEN_CAP
+        assert sum(cost.cost(start, n) for start, n in prompt) <= 3 * BUDGET

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from ds4pool.engine import EngineConfig, prefill_tokens
+from ds4pool.engine import EngineConfig, prefill_burst, prefill_tokens
 from ds4pool.errors import Ds4poolError
 from ds4pool.model.device import select_blas
 from ds4pool.serve import add_engine_flags, add_server_flags, build_config
@@ -76,6 +76,19 @@ def test_itl_budget_factor_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_config(["--itl-budget-factor", "2.5"]).engine.itl_budget_factor == 2.5
     with pytest.raises(Ds4poolError, match=r"itl_budget_factor must be 0 \(off\) or > 1"):
         serve_config(["--itl-budget-factor", "0.5"])
+
+
+def test_prefill_burst_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DS4POOL_PREFILL_BURST", raising=False)
+    unset = serve_config([]).engine
+    assert unset.prefill_burst is None  # by device
+    assert prefill_burst(unset, torch.device("cpu")) == 1
+    monkeypatch.setenv("DS4POOL_PREFILL_BURST", "3")
+    assert serve_config([]).engine.prefill_burst == 3
+    cfg = serve_config(["--prefill-burst", "4"]).engine
+    assert prefill_burst(cfg, torch.device("cuda")) == 4
+    with pytest.raises(Ds4poolError, match=r"prefill_burst must be >= 1 \(1: off\)"):
+        serve_config(["--prefill-burst", "0"])
 
 
 @pytest.mark.timeout(120)  # broken, the server would start and serve
