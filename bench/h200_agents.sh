@@ -121,7 +121,8 @@ one_run() {  # one server at one N, within the time left; its files under /tmp/a
     "${VARIANT_ARGS[@]}" "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 |
     grep -E "^\| $server |^FAILED|^$server-N$n: "
   echo "  ($server N=$n ended at ${SECONDS} s)"
-  tar czf "$OUT/$server-$n.tgz" -C /tmp/ac "$server-$n" 2>/dev/null
+  # the device's file return refuses names with ":" (ds4pool:NAME): "_" in the archive's
+  tar czf "$OUT/${server//:/_}-$n.tgz" -C /tmp/ac "$server-$n" 2>/dev/null
 }
 if [ "$PHASE" = seq ]; then
   wait_llama || echo "llama.cpp: not built in time"

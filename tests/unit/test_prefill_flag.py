@@ -83,6 +83,7 @@ def test_prefill_burst_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     unset = serve_config([]).engine
     assert unset.prefill_burst is None  # by device
     assert prefill_burst(unset, torch.device("cpu")) == 1
+    assert prefill_burst(unset, torch.device("cuda")) == 8
     monkeypatch.setenv("DS4POOL_PREFILL_BURST", "3")
     assert serve_config([]).engine.prefill_burst == 3
     cfg = serve_config(["--prefill-burst", "4"]).engine
