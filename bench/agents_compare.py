@@ -74,7 +74,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4pool.bench.agents import chunk_note, moves_cell, ms_pair, steps_note  # noqa: E402
+from ds4pool.bench.agents import (  # noqa: E402
+    ahead_note,
+    chunk_note,
+    moves_cell,
+    ms_pair,
+    steps_note,
+)
 
 SERVERS = ("ds4pool", "no-batching", "transformers", "llama-server")
 BEFORE = "ds4pool:before"  # with --before-ref: ds4pool serve at that git ref
@@ -667,7 +673,9 @@ def write_results(
     failures: list[str],
 ) -> int:
     """Print and write the table, the target lines and the plot; 1 if some run failed."""
-    notes = [n for r in reports for n in (chunk_note(r), steps_note(r)) if n is not None]
+    notes = [
+        n for r in reports for n in (chunk_note(r), steps_note(r), ahead_note(r)) if n is not None
+    ]
     text = "\n".join([header, "", table(reports), "", *targets(reports), *notes, *failures])
     print("\n" + text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -553,6 +553,42 @@ def steps_note(report: dict[str, Any]) -> str | None:
     )
 
 
+def prompts_ahead(turns: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(prompts ahead, TTFT) of each resumed turn: how many other requests had been sent and
+    had no first token yet when it was sent. A resumed turn's TTFT is its own prompt's work
+    plus that queue, and the queue depends on how the agents' turns line up, which the
+    server's own pace shapes (agents whose first turns end together stay in step)."""
+    spans = [(t["start"], t["start"] + t["ttft"]) for t in turns if t.get("ttft") is not None]
+    out = []
+    for t in turns:
+        if t["turn"] == 0 or t.get("ttft") is None:
+            continue
+        at = t["start"]
+        ahead = sum(1 for s, f in spans if s < at < f or (s == at and f > at)) - 1
+        out.append((max(ahead, 0), t["ttft"]))
+    return out
+
+
+def ahead_note(report: dict[str, Any]) -> str | None:
+    """One line: resumed turns' TTFT where at most one other prompt was ahead of them vs
+    where more were: like for like across servers whose runs line the agents up differently."""
+    pairs = prompts_ahead(report.get("turns") or [])
+    if not pairs:
+        return None
+
+    def p50_ms(xs: list[float]) -> str:
+        return f"{stats(xs)['p50'] * 1e3:,.0f} ms" if xs else "n/a"
+
+    alone = [ttft for k, ttft in pairs if k <= 1]
+    queued = [ttft for k, ttft in pairs if k > 1]
+    ahead = stats([float(k) for k, _ in pairs])["p50"]
+    return (
+        f"{report['label']}: resumed turns found {ahead:.0f} other prompts (p50) without a "
+        f"first token when sent; TTFT p50 {p50_ms(alone)} for the {len(alone)} with at most "
+        f"one ahead, {p50_ms(queued)} for the {len(queued)} with more"
+    )
+
+
 def _mean_ttft_ms(report: dict[str, Any]) -> float | None:
     """The client's mean TTFT over all measured turns, first and resumed."""
     parts = [report[k] for k in ("ttft_first_s", "ttft_resumed_s") if report[k].get("n")]
@@ -778,7 +814,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))
-    for note in (chunk_note(report), steps_note(report)):
+    for note in (chunk_note(report), steps_note(report), ahead_note(report)):
         if note is not None:
             print(note, file=sys.stderr)
     if args.out is not None:

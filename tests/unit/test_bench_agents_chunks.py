@@ -4,7 +4,14 @@ counts chunks per token and warns when ITL is not per token."""
 
 from __future__ import annotations
 
-from ds4pool.bench.agents import TurnResult, Workload, chunk_note, summarize
+from ds4pool.bench.agents import (
+    TurnResult,
+    Workload,
+    ahead_note,
+    chunk_note,
+    prompts_ahead,
+    summarize,
+)
 
 W = Workload(
     agents=2, turns=1, system_tokens=10, user_tokens=5, gen_tokens=8,
@@ -43,3 +50,23 @@ def test_a_few_held_characters_stay_within_the_slack() -> None:
     assert chunk_note({**r, "label": "x"}) is None
     r = summarize([_turn(0, 22, 20, 0.02)], 1.0, W)  # 1.10
     assert chunk_note({**r, "label": "x"}) is not None
+
+
+def _t(agent: int, turn: int, start: float, ttft: float | None) -> dict:
+    return {"agent": agent, "turn": turn, "start": start, "ttft": ttft}
+
+
+def test_resumed_turns_are_split_by_the_prompts_ahead_of_them() -> None:
+    # agent 0's second turn is sent while agents 1 and 2 still wait for a first token (2
+    # ahead); agent 1's second turn while only agent 3 does (1 ahead); agent 2's when none
+    # does; agent 3's second turn failed (no TTFT): it is left out
+    turns = [
+        _t(0, 0, 0.0, 0.5), _t(1, 0, 0.9, 0.3), _t(2, 0, 0.95, 0.4), _t(3, 0, 1.6, 0.5),
+        _t(0, 1, 1.0, 0.65), _t(1, 1, 1.7, 0.1), _t(2, 1, 3.0, 0.05), _t(3, 1, 3.1, None),
+    ]  # fmt: skip
+    pairs = sorted(prompts_ahead(turns))
+    assert pairs == [(0, 0.05), (1, 0.1), (2, 0.65)]
+    note = ahead_note({"label": "srv", "turns": turns})
+    assert note is not None and note.startswith("srv: resumed turns found 1 other prompts (p50)")
+    assert "TTFT p50 75 ms for the 2 with at most one ahead, 650 ms for the 1 with more" in note
+    assert ahead_note({"label": "srv", "turns": turns[:4]}) is None  # no resumed turn
