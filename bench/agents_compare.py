@@ -77,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4pool.bench.agents import (  # noqa: E402
     ahead_note,
     chunk_note,
+    client_note,
     moves_cell,
     ms_pair,
     steps_note,
@@ -674,7 +675,10 @@ def write_results(
 ) -> int:
     """Print and write the table, the target lines and the plot; 1 if some run failed."""
     notes = [
-        n for r in reports for n in (chunk_note(r), steps_note(r), ahead_note(r)) if n is not None
+        n
+        for r in reports
+        for n in (chunk_note(r), steps_note(r), ahead_note(r), client_note(r))
+        if n is not None
     ]
     text = "\n".join([header, "", table(reports), "", *targets(reports), *notes, *failures])
     print("\n" + text)

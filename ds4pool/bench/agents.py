@@ -5,9 +5,12 @@ by turn, as a coding agent's does: a system prompt of S tokens shared by every a
 per turn a tool-result-like user message of U tokens and a streamed completion of exactly
 G tokens (greedy, `max_tokens=G`, `ignore_eos`), sent back as the assistant message of the
 next turn. Between turns an agent "thinks" for a seeded random pause. All agents start at
-the same moment. The client is the official `openai` SDK (async, streaming, with
-`stream_options={"include_usage": True}`), so the same workload drives any
-OpenAI-compatible server (`--no-session-header`, `--no-ignore-eos`, `--extra-body`).
+the same moment. The client streams `/v1/chat/completions` over httpx (async, with
+`stream_options={"include_usage": True}`) and parses the SSE lines itself, so the same
+workload drives any OpenAI-compatible server (`--no-session-header`, `--no-ignore-eos`,
+`--extra-body`). It runs on one core: the report gives its CPU time over the measured part
+(`client_cpu_s`), and a note warns when it was busy more than half the run (its own delays
+are then part of what it measures).
 
 Text is synthetic "code": lines of words drawn from a seeded vocabulary of identifiers,
 keywords, operators and numbers. Token counts are approximated by words: the demo model's
@@ -48,7 +51,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -157,33 +160,44 @@ def system_prompt(w: Workload, vocab: Sequence[str]) -> str:
 async def run_turn(
     client: Any, w: Workload, messages: list[dict[str, str]], sid: str, res: TurnResult
 ) -> str:
-    """Stream one chat completion, filling `res`; returns the generated text."""
+    """Stream one chat completion, filling `res`; returns the generated text. `client` is an
+    httpx.AsyncClient on the server's URL. The SSE lines are parsed here with json.loads, not
+    through the openai SDK's models: at 64 agents and ~1,700 chunks/s those took ~0.3-0.5 ms a
+    chunk of the client's one core, enough to put the client's own delays into TTFT and ITL
+    (docs/BENCHMARKS.md, run H)."""
     headers = {SESSION_HEADER: sid} if w.session_header else {}
-    extra = dict(w.extra_body)
+    body: dict[str, Any] = {
+        "model": w.model,
+        "messages": messages,
+        "max_tokens": w.gen_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **w.extra_body,
+    }
     if w.ignore_eos:
-        extra["ignore_eos"] = True
-    t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=w.model,
-        messages=messages,
-        max_tokens=w.gen_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_headers=headers,
-        extra_body=extra or None,
-    )
+        body["ignore_eos"] = True
     parts: list[str] = []
     stamps: list[float] = []
-    async for chunk in stream:
-        now = time.perf_counter()
-        if getattr(chunk, "usage", None) is not None:
-            _take_usage(res, chunk.usage)
-        for choice in chunk.choices or ():
-            content = choice.delta.content if choice.delta is not None else None
-            if content:
-                parts.append(content)
-                stamps.append(now)
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {r.status_code}: {text[:200]}")
+        async for event in sse_data(r.aiter_raw()):
+            if event == b"[DONE]":
+                break
+            now = time.perf_counter()
+            chunk = json.loads(event)
+            if chunk.get("error"):
+                raise RuntimeError(f"error in the stream: {chunk['error']}")
+            if chunk.get("usage"):
+                _take_usage(res, chunk["usage"])
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    parts.append(content)
+                    stamps.append(now)
     res.e2e = time.perf_counter() - t0
     if not stamps:
         if res.completion_tokens:  # generated, but nothing to time: say why
@@ -202,12 +216,31 @@ async def run_turn(
     return reply
 
 
-def _take_usage(res: TurnResult, usage: Any) -> None:
+async def sse_data(raw: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a server-sent event stream, from its raw bytes as they come
+    (an event's lines may span reads; a payload of several `data:` lines is one event,
+    joined by newlines; other fields and comments are skipped; an event the stream ends in,
+    before its blank line, is dropped, as the SSE spec says)."""
+    buf = b""
+    data: list[bytes] = []
+    async for piece in raw:
+        buf += piece
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if line.startswith(b"data:"):
+                data.append(line[5:].lstrip(b" "))
+            elif not line and data:  # a blank line ends the event
+                yield b"\n".join(data)
+                data = []
+
+
+def _take_usage(res: TurnResult, usage: dict[str, Any]) -> None:
     res.usage_reported = True
-    res.prompt_tokens = int(usage.prompt_tokens or 0)
-    res.completion_tokens = int(usage.completion_tokens or 0)
-    details = getattr(usage, "prompt_tokens_details", None)
-    res.cached_tokens = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    res.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 async def run_agent(
@@ -274,14 +307,17 @@ async def run_workload(
     warmup: int,
     show_progress: bool,
     measured: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[list[TurnResult], float]:
+) -> tuple[list[TurnResult], float, float]:
     """All agents concurrently after `warmup` unmeasured requests (`warm_up`); returns the
-    turns and the wall time of the measured part. `measured` is awaited between the two
-    (the server's counters before the measured part)."""
-    import openai
+    turns, the wall time of the measured part and the client's CPU seconds in it.
+    `measured` is awaited between the two (the server's counters before the measured part)."""
+    import httpx
 
-    client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key=api_key, timeout=timeout_s, max_retries=0
+    client = httpx.AsyncClient(
+        base_url=url,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=timeout_s,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
     )
     vocab = make_vocab(w.seed)
     system = system_prompt(w, vocab)
@@ -291,16 +327,16 @@ async def run_workload(
         await measured()
     out: list[TurnResult] = []
     with Progress("agents", w.agents * w.turns, enabled=show_progress) as progress:
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         await asyncio.gather(
             *(
                 run_agent(i, client, w, system, vocab, t_start, out, progress)
                 for i in range(w.agents)
             )
         )
-        wall = time.perf_counter() - t_start
-    await client.close()
-    return out, wall
+        wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
+    await client.aclose()
+    return out, wall, cpu
 
 
 # ------------------------------------------------------------------ server side facts
@@ -589,6 +625,18 @@ def ahead_note(report: dict[str, Any]) -> str | None:
     )
 
 
+def client_note(report: dict[str, Any]) -> str | None:
+    """A warning when the client's one core was busy more than half the measured run."""
+    cpu, wall = report.get("client_cpu_s"), report.get("wall_s")
+    if cpu is None or not wall or cpu / wall <= 0.5:
+        return None
+    return (
+        f"{report['label']}: the client was busy {cpu / wall:.0%} of the run ({cpu:.1f} s of "
+        f"CPU in {wall:.1f} s): its own delays are part of the TTFT and ITL it measured "
+        "(fewer agents per client, or a faster core)"
+    )
+
+
 def _mean_ttft_ms(report: dict[str, Any]) -> float | None:
     """The client's mean TTFT over all measured turns, first and resumed."""
     parts = [report[k] for k in ("ttft_first_s", "ttft_resumed_s") if report[k].get("n")]
@@ -779,9 +827,9 @@ def _machine() -> dict[str, Any]:
 
 def run_agents(args: argparse.Namespace) -> int:
     try:
-        import openai  # noqa: F401
+        import httpx  # noqa: F401
     except ImportError:
-        msg = "ds4pool bench agents needs the openai SDK: pip install openai"
+        msg = "ds4pool bench agents needs httpx: pip install httpx"
         raise Ds4poolError(msg) from None
     url = args.url.rstrip("/")
     model = args.model or discover_model(url, args.api_key)
@@ -794,7 +842,7 @@ def run_agents(args: argparse.Namespace) -> int:
         before.append(await asyncio.to_thread(scrape_metrics, url, args.api_key))
 
     warmup = min(w.agents, 4) if args.warmup is None else args.warmup
-    turns, wall = asyncio.run(
+    turns, wall, client_cpu = asyncio.run(
         run_workload(url, w, args.api_key, args.timeout_s, warmup, sys.stderr.isatty(), measured)
     )
     after = scrape_metrics(url, args.api_key)
@@ -809,12 +857,13 @@ def run_agents(args: argparse.Namespace) -> int:
         "workload": asdict(w),
         "warmup_requests": warmup,
         **summarize(turns, wall, w),
+        "client_cpu_s": client_cpu,
         **{k: moves_delta(start[k], end[k]) for k in COUNTERS},
         "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))
-    for note in (chunk_note(report), steps_note(report), ahead_note(report)):
+    for note in (chunk_note(report), steps_note(report), ahead_note(report), client_note(report)):
         if note is not None:
             print(note, file=sys.stderr)
     if args.out is not None:

@@ -4,12 +4,16 @@ counts chunks per token and warns when ITL is not per token."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 from ds4pool.bench.agents import (
     TurnResult,
     Workload,
     ahead_note,
     chunk_note,
     prompts_ahead,
+    sse_data,
     summarize,
 )
 
@@ -70,3 +74,26 @@ def test_resumed_turns_are_split_by_the_prompts_ahead_of_them() -> None:
     assert note is not None and note.startswith("srv: resumed turns found 1 other prompts (p50)")
     assert "TTFT p50 75 ms for the 2 with at most one ahead, 650 ms for the 1 with more" in note
     assert ahead_note({"label": "srv", "turns": turns[:4]}) is None  # no resumed turn
+
+
+def test_sse_payloads_across_reads() -> None:
+    """The bench's SSE reader: events split at any byte, CRLF lines, comments and other
+    fields skipped, a multi-line payload joined, an unfinished last event dropped (SSE spec)."""
+    stream = (
+        b": keep-alive\r\n\r\n"
+        b'data: {"a": 1}\r\n\r\n'
+        b"event: x\ndata: line one\ndata: line two\n\n"
+        b"data: [DONE]\n\n"
+        b"data: tail"
+    )
+
+    async def collect(size: int) -> list[bytes]:
+        async def raw() -> AsyncIterator[bytes]:
+            for i in range(0, len(stream), size):
+                yield stream[i : i + size]
+
+        return [e async for e in sse_data(raw())]
+
+    want = [b'{"a": 1}', b"line one\nline two", b"[DONE]"]
+    for size in (1, 3, 7, len(stream)):
+        assert asyncio.run(collect(size)) == want, size
