@@ -255,6 +255,7 @@ def run_one(
         wait_ready(url, proc, log, args.start_timeout_s)
         cmd = [sys.executable, "-m", "ds4pool", "bench", "agents", "--url", url]
         cmd += [*workload_flags(args, n), *client_flags, "--out", str(args.out), "--label", label]
+        cmd += ["--client-procs", str(args.client_procs)]
         print(f"$ {shlex.join(cmd)}", file=sys.stderr)
         subprocess.run(cmd, check=False)
         report_path = args.out / f"{label}.json"
@@ -521,6 +522,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="model dtype of ds4pool and transformers (default: float32 on cpu, bfloat16 on cuda)",
     )
     p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="`bench agents` client processes (GPU runs at 32+ agents: 4)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="rounds (servers alternate per N)")
     p.add_argument(
         "--threads",

@@ -8,9 +8,10 @@ next turn. Between turns an agent "thinks" for a seeded random pause. All agents
 the same moment. The client streams `/v1/chat/completions` over httpx (async, with
 `stream_options={"include_usage": True}`) and parses the SSE lines itself, so the same
 workload drives any OpenAI-compatible server (`--no-session-header`, `--no-ignore-eos`,
-`--extra-body`). It runs on one core: the report gives its CPU time over the measured part
-(`client_cpu_s`), and a note warns when it was busy more than half the run (its own delays
-are then part of what it measures).
+`--extra-body`). It runs on one core, or on P with `--client-procs P` (the agents dealt to P
+processes, their clocks started at one barrier): the report gives its CPU time over the
+measured part (`client_cpu_s`), and a note warns when it was busy more than half the run
+(its own delays are then part of what it measures).
 
 Text is synthetic "code": lines of words drawn from a seeded vocabulary of identifiers,
 keywords, operators and numbers. Token counts are approximated by words: the demo model's
@@ -299,6 +300,27 @@ async def warm_up(client: Any, w: Workload, vocab: Sequence[str], requests: int)
     await asyncio.gather(*(one(k) for k in range(requests)))
 
 
+def http_client(url: str, api_key: str, timeout_s: float) -> Any:
+    import httpx
+
+    return httpx.AsyncClient(
+        base_url=url,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=timeout_s,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The measured part's turns, wall time, and the client's CPU seconds in it (summed over
+    its processes)."""
+
+    turns: list[TurnResult]
+    wall: float
+    cpu: float
+
+
 async def run_workload(
     url: str,
     w: Workload,
@@ -307,36 +329,82 @@ async def run_workload(
     warmup: int,
     show_progress: bool,
     measured: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[list[TurnResult], float, float]:
-    """All agents concurrently after `warmup` unmeasured requests (`warm_up`); returns the
-    turns, the wall time of the measured part and the client's CPU seconds in it.
-    `measured` is awaited between the two (the server's counters before the measured part)."""
-    import httpx
-
-    client = httpx.AsyncClient(
-        base_url=url,
-        headers={"Authorization": f"Bearer {api_key}"},
-        timeout=timeout_s,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-    )
-    vocab = make_vocab(w.seed)
-    system = system_prompt(w, vocab)
+    procs: int = 1,
+) -> Measured:
+    """All agents concurrently after `warmup` unmeasured requests (`warm_up`). `measured` is
+    awaited between the two (the server's counters before the measured part). With `procs`
+    > 1 the agents are dealt to that many client processes (`run_sharded`)."""
+    client = http_client(url, api_key, timeout_s)
     if warmup:
-        await warm_up(client, w, vocab, warmup)
+        await warm_up(client, w, make_vocab(w.seed), warmup)
     if measured is not None:
         await measured()
+    if procs > 1:
+        await client.aclose()
+        return await asyncio.to_thread(run_sharded, url, w, api_key, timeout_s, procs)
+    try:
+        return await run_agents_of(client, w, range(w.agents), show_progress)
+    finally:
+        await client.aclose()
+
+
+async def run_agents_of(
+    client: Any,
+    w: Workload,
+    agents: Sequence[int],
+    show_progress: bool,
+    ready: Callable[[], object] | None = None,
+) -> Measured:
+    """Agents `agents` of the workload concurrently, the clock started once `ready()` (a
+    barrier of the other client processes) returns."""
+    vocab = make_vocab(w.seed)
+    system = system_prompt(w, vocab)
+    if ready is not None:
+        await asyncio.to_thread(ready)
     out: list[TurnResult] = []
-    with Progress("agents", w.agents * w.turns, enabled=show_progress) as progress:
+    with Progress("agents", len(agents) * w.turns, enabled=show_progress) as progress:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         await asyncio.gather(
-            *(
-                run_agent(i, client, w, system, vocab, t_start, out, progress)
-                for i in range(w.agents)
-            )
+            *(run_agent(i, client, w, system, vocab, t_start, out, progress) for i in agents)
         )
         wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
-    await client.aclose()
-    return out, wall, cpu
+    return Measured(out, wall, cpu)
+
+
+def run_sharded(url: str, w: Workload, api_key: str, timeout_s: float, procs: int) -> Measured:
+    """The agents dealt to `procs` client processes (agent i to process i % procs), each
+    with its own event loop and core, their clocks started together at a barrier: one
+    process's parsing then does not delay another's streams. The wall time is the longest
+    process's; turns' start times are relative to each process's start (one barrier apart)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads running
+    with ctx.Manager() as manager, ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        barrier = manager.Barrier(procs)
+        futures = [
+            pool.submit(_shard, url, w, api_key, timeout_s, range(k, w.agents, procs), barrier)
+            for k in range(procs)
+        ]
+        parts = [f.result() for f in futures]
+    return Measured(
+        [t for part in parts for t in part.turns],
+        max(part.wall for part in parts),
+        sum(part.cpu for part in parts),
+    )
+
+
+def _shard(
+    url: str, w: Workload, api_key: str, timeout_s: float, agents: range, barrier: Any
+) -> Measured:
+    async def go() -> Measured:
+        client = http_client(url, api_key, timeout_s)
+        try:
+            return await run_agents_of(client, w, agents, False, barrier.wait)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
 
 
 # ------------------------------------------------------------------ server side facts
@@ -626,14 +694,17 @@ def ahead_note(report: dict[str, Any]) -> str | None:
 
 
 def client_note(report: dict[str, Any]) -> str | None:
-    """A warning when the client's one core was busy more than half the measured run."""
+    """A warning when the client's processes were busy more than half the measured run (on
+    average: agents are dealt evenly)."""
     cpu, wall = report.get("client_cpu_s"), report.get("wall_s")
-    if cpu is None or not wall or cpu / wall <= 0.5:
+    procs = report.get("client_procs") or 1
+    if cpu is None or not wall or cpu / (wall * procs) <= 0.5:
         return None
+    each = f" each of {procs} client processes" if procs > 1 else " the client"
     return (
-        f"{report['label']}: the client was busy {cpu / wall:.0%} of the run ({cpu:.1f} s of "
-        f"CPU in {wall:.1f} s): its own delays are part of the TTFT and ITL it measured "
-        "(fewer agents per client, or a faster core)"
+        f"{report['label']}:{each} was busy {cpu / (wall * procs):.0%} of the run ({cpu:.1f} "
+        f"s of CPU in {wall:.1f} s): its own delays are part of the TTFT and ITL it measured "
+        "(more --client-procs, or a faster core)"
     )
 
 
@@ -775,6 +846,14 @@ def add_agents_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warmup", dest="warmup", action="store_const", const=0, help="--warmup-requests 0"
     )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        metavar="P",
+        help="client processes the agents are dealt to (each its own core): for token rates "
+        "one process cannot parse without delaying what it measures",
+    )
     p.add_argument("--out", type=Path, default=None, help="write <label>.json and <label>.png")
     p.add_argument("--label", default=None, help="run name (default: agents-<N>)")
 
@@ -842,9 +921,21 @@ def run_agents(args: argparse.Namespace) -> int:
         before.append(await asyncio.to_thread(scrape_metrics, url, args.api_key))
 
     warmup = min(w.agents, 4) if args.warmup is None else args.warmup
-    turns, wall, client_cpu = asyncio.run(
-        run_workload(url, w, args.api_key, args.timeout_s, warmup, sys.stderr.isatty(), measured)
+    if args.client_procs < 1:
+        raise Ds4poolError("--client-procs must be >= 1")
+    run = asyncio.run(
+        run_workload(
+            url,
+            w,
+            args.api_key,
+            args.timeout_s,
+            warmup,
+            sys.stderr.isatty(),
+            measured,
+            args.client_procs,
+        )
     )
+    turns, wall = run.turns, run.wall
     after = scrape_metrics(url, args.api_key)
     start, end = counters(before[0]), counters(after)
     report: dict[str, Any] = {
@@ -857,7 +948,8 @@ def run_agents(args: argparse.Namespace) -> int:
         "workload": asdict(w),
         "warmup_requests": warmup,
         **summarize(turns, wall, w),
-        "client_cpu_s": client_cpu,
+        "client_cpu_s": run.cpu,
+        "client_procs": args.client_procs,
         **{k: moves_delta(start[k], end[k]) for k in COUNTERS},
         "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],

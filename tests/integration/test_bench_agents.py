@@ -82,6 +82,19 @@ def test_the_servers_steps_over_the_measured_part(
     assert plain["server_steps"] is None and steps_note(plain) is None
 
 
+def test_agents_dealt_to_client_processes(serve: Callable[..., Server], tmp_path: Path) -> None:
+    """--client-procs 2: each agent's turns come from one of two processes, all of them,
+    each resumed turn on its own session's KV, and the CPU of both is counted."""
+    report = _run(serve(), tmp_path, "two", "--client-procs", "2", "--seed", "9")
+    assert report["client_procs"] == 2 and report["client_cpu_s"] > 0
+    assert report["turns_ok"] == 4 and report["errors"] == 0
+    turns = {(t["agent"], t["turn"]): t for t in report["turns"]}
+    assert sorted(turns) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for agent in (0, 1):
+        first, second = turns[agent, 0], turns[agent, 1]
+        assert second["cached_tokens"] == first["prompt_tokens"] + 4 - 1
+
+
 def test_no_session_header_reuses_only_shared_blocks(
     serve: Callable[..., Server], tmp_path: Path
 ) -> None:

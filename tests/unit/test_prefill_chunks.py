@@ -21,6 +21,17 @@ def loaded(demo_dir: Path) -> LoadedModel:
     return load_model(str(demo_dir), torch.device("cpu"), torch.float32)
 
 
+def capped(**kw: object) -> EngineConfig:
+    """A small KV pool and this file's token cap, work cap and K."""
+    return EngineConfig(
+        kv_device_gb=0.05,
+        max_prefill_tokens=TOKEN_CAP,
+        max_prefill_cost=BUDGET,
+        prefill_cost_scale=SCALE,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def expected_chunks(length: int) -> list[int]:
     """Independent of PrefillCost: the longest chunk (<= the token cap) whose tokens, each
     costing 1 + (position + 1) / K, fit the budget; at least 16 tokens a step."""
@@ -39,12 +50,8 @@ def expected_chunks(length: int) -> list[int]:
 
 
 def test_a_long_prompt_next_to_a_decoder_gets_shrinking_chunks(loaded: LoadedModel) -> None:
-    cfg = EngineConfig(
-        kv_device_gb=0.05,
+    cfg = capped(
         max_batch_tokens=256,
-        max_prefill_tokens=TOKEN_CAP,
-        max_prefill_cost=BUDGET,
-        prefill_cost_scale=SCALE,
         prefill_decode_ratio=0,  # the absolute work cap alone (the relative one: below)
     )
     e = Engine(cfg, loaded=loaded)
@@ -161,15 +168,7 @@ def burst_script(loaded: LoadedModel, burst: int) -> list[list[tuple[str, int, i
     """One decoder, then a 400-token prompt and five 40-token prompts arriving together,
     under a 64-token / 96-unit cap (K 256). This thread drives the steps; returns every
     step's rows as (session, tokens before the row, tokens in it)."""
-    cfg = EngineConfig(
-        kv_device_gb=0.05,
-        max_batch_tokens=512,
-        max_prefill_tokens=TOKEN_CAP,
-        max_prefill_cost=BUDGET,
-        prefill_cost_scale=SCALE,
-        prefill_burst=burst,
-        overlap="off",
-    )
+    cfg = capped(max_batch_tokens=512, prefill_burst=burst, overlap="off")
     e = Engine(cfg, loaded=loaded)
     e.worker.stop()
     sched = e.scheduler
