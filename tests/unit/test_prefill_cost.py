@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ds4pool.sched.prefill_cost import DEFAULTS, PrefillCost
+from ds4pool.sched.step import Step
 
 BUCKETS = (32, 64, 128, 256, 512)  # the runner's graph chunk buckets for a 512 cap
 
@@ -128,3 +133,81 @@ def test_relative_budget_still_lets_a_prompt_advance() -> None:
         PrefillCost(4096, 112, decode_ratio=-1)
     with pytest.raises(ValueError):
         PrefillCost(4096, 112, decode_row=0)
+
+
+def _old_chunks(
+    rows: list[tuple[int, int]], tokens: int, work: float, cost: PrefillCost
+) -> list[int]:
+    """A step's chunk sizes as Step.chunk_len sized them before --prefill-burst: one token
+    budget and one work budget shared in order, the first chunk rounded to a bucket."""
+    out, first = [], True
+    for start, pending in rows:
+        if tokens <= 0:
+            break
+        n = min(pending, tokens)
+        if n > 1:
+            n = cost.chunk(start, n, work, first)
+            work -= cost.cost(start, n)
+            first = False
+        out.append(n)
+        tokens -= n
+    return out
+
+
+def _step_chunks(
+    rows: list[tuple[int, int]], tokens: int, work: float, cost: PrefillCost, burst: int
+) -> tuple[list[int], Step]:
+    """The same rows through Step.chunk_len with `burst` x the caps (as the scheduler sets
+    them while others decode), the caller's token budget decremented as _take does."""
+    step = Step([], [], [], work_left=work, tokens_left=tokens, cap_tokens=tokens)
+    step.cap_work, step.burst_work = work, work * (burst - 1)
+    step.burst_tokens = tokens * (burst - 1)
+    budget, out = tokens * burst, []
+    for start, pending in rows:
+        if budget <= 0:
+            break
+        seq = SimpleNamespace(num_computed=start, num_pending=pending)
+        n = step.chunk_len(seq, budget, cost)  # type: ignore[arg-type]
+        out.append(n)
+        budget -= n
+    return out, step
+
+
+ROWS = st.lists(st.tuples(st.integers(0, 20_000), st.integers(1, 1_500)), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=ROWS, tokens=st.integers(16, 1_024), work=st.floats(1, 2_000))
+def test_without_burst_room_chunks_are_sized_as_before(
+    rows: list[tuple[int, int]], tokens: int, work: float
+) -> None:
+    cost = cuda_cost()
+    want = _old_chunks(rows, tokens, work, cost)
+    got, _ = _step_chunks(rows, tokens, work, cost, burst=1)
+    assert got[: len(want)] == want and not any(got[len(want) :])
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=ROWS, tokens=st.integers(16, 1_024), work=st.floats(1, 2_000), burst=st.integers(2, 8))
+def test_burst_room_goes_only_to_whole_last_chunks_within_the_single_caps(
+    rows: list[tuple[int, int]], tokens: int, work: float, burst: int
+) -> None:
+    """With burst room: chunks that do not end their prompt share the single caps (a first
+    chunk may take the floor of the smallest bucket); a chunk that ends its prompt fits the
+    single caps alone (or is that floor); the step stays within burst x both caps."""
+    cost = cuda_cost()
+    got, step = _step_chunks(rows, tokens, work, cost, burst)
+    floor = BUCKETS[0]
+    partial_tokens, partial_work, all_tokens, all_work = 0, 0.0, 0, 0.0
+    for (start, pending), n in zip(rows, got):
+        w = cost.cost(start, n) if n > 1 else 0.0
+        all_tokens, all_work = all_tokens + n, all_work + w
+        if n < pending:
+            partial_tokens, partial_work = partial_tokens + n, partial_work + w
+        elif n > 1:
+            assert n <= tokens and (w <= work + 1e-9 or n <= floor), (start, n, w)
+    assert partial_tokens <= tokens
+    assert partial_work <= work + cost.cost(20_000, floor)
+    assert all_tokens <= burst * tokens
+    assert all_work <= burst * work + cost.cost(20_000, floor)
+    assert step.burst_tokens >= 0 and step.burst_work >= -1e-6
