@@ -163,9 +163,9 @@ async def run_turn(
 ) -> str:
     """Stream one chat completion, filling `res`; returns the generated text. `client` is an
     httpx.AsyncClient on the server's URL. The SSE lines are parsed here with json.loads, not
-    through the openai SDK's models: at 64 agents and ~1,700 chunks/s those took ~0.3-0.5 ms a
-    chunk of the client's one core, enough to put the client's own delays into TTFT and ITL
-    (docs/BENCHMARKS.md, run H)."""
+    through the openai SDK's models: with them the client took 0.63-0.72 ms of its one core
+    per chunk (requests included; 0.28-0.30 ms now, 64 agents on a 2-core VM), more than a
+    core at the ~1,700 chunks/s of 64 agents on an H100 (docs/BENCHMARKS.md, run H)."""
     headers = {SESSION_HEADER: sid} if w.session_header else {}
     body: dict[str, Any] = {
         "model": w.model,
