@@ -215,6 +215,12 @@ class Metrics:
             buckets=WORK_BUDGET_BUCKETS,
             registry=r,
         )
+        self.prefill_burst = Counter(
+            "ds4pool_prefill_burst_prompts_total",
+            "Prompts whose last chunk started in a step's burst room next to decoders "
+            "(--prefill-burst): past the single token and work caps, each within them alone.",
+            registry=r,
+        )
         self.prefill_work_seconds = Gauge(
             "ds4pool_prefill_seconds_per_work",
             "Measured seconds per token-equivalent of prompt work in steps next to decoders "
@@ -530,6 +536,9 @@ class MetricsSchedulerObserver(SchedulerObserver):
 
     def prefill_budget(self, work: float) -> None:
         self.m.prefill_budget.observe(work)
+
+    def prefill_burst(self, chunks: int) -> None:
+        self.m.prefill_burst.inc(chunks)
 
     def admitted(self, queue_wait_s: float) -> None:
         self.m.queue_wait.observe(queue_wait_s)

@@ -43,6 +43,9 @@ class SchedulerObserver:
     def prefill_budget(self, work: float) -> None:
         """The prompt work (token-equivalents) a step next to decoders was allowed."""
 
+    def prefill_burst(self, chunks: int) -> None:
+        """A step took `chunks` prompts' last chunks in its burst room (--prefill-burst)."""
+
     def admitted(self, queue_wait_s: float) -> None: ...
 
     def token(self, seq: Seq, first: bool, seconds: float) -> None: ...

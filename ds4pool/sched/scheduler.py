@@ -150,6 +150,8 @@ class Scheduler:
         budget = self._take(step, [s for s in order if s.num_pending > 1], budget)
         self._admit(step, budget)
         self._charge(step)
+        if step.burst_chunks:
+            self.observer.prefill_burst(step.burst_chunks)
         return step if step.seqs else None
 
     def schedule_ahead(self, prev: Step) -> Step | None:

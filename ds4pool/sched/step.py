@@ -42,6 +42,7 @@ class Step:
     burst_work: float = 0.0
     cap_tokens: int = 0
     cap_work: float = 0.0
+    burst_chunks: int = 0  # prompts' last chunks that took burst room (the metric's count)
     # (tenant, tokens) of the rows added and not yet charged to the queue (the scheduler
     # charges a build's rows in one go, not under a lock per row)
     uncharged: list[tuple[str, int]] = field(default_factory=list)
@@ -70,15 +71,17 @@ class Step:
         assert self.tokens_left is not None
         if n > self.tokens_left + self.burst_tokens or n > max(self.cap_tokens, self.tokens_left):
             return False
-        work = 0.0
+        over = n > self.tokens_left  # it takes burst room (tokens, or work below)
         if self.work_left is not None and cost is not None:
             work = cost.cost(start, n)
             left = max(self.work_left, 0.0)
             if work > left + self.burst_work or work > max(self.cap_work, left):
                 return False
+            over = over or work > left
             self.burst_work -= max(0.0, work - left)
             self.work_left -= min(work, left)
             self.prompt_chunks += 1
+        self.burst_chunks += over
         self.burst_tokens -= max(0, n - self.tokens_left)
         self.tokens_left = max(0, self.tokens_left - n)
         return True

@@ -164,10 +164,13 @@ def test_chunks_next_to_decoders_follow_their_work(loaded: LoadedModel, ratio: f
     assert hi < 40  # well under the 64 tokens of the token cap alone
 
 
-def burst_script(loaded: LoadedModel, burst: int) -> list[list[tuple[str, int, int]]]:
+def burst_script(
+    loaded: LoadedModel, burst: int
+) -> tuple[list[list[tuple[str, int, int]]], list[int]]:
     """One decoder, then a 400-token prompt and five 40-token prompts arriving together,
     under a 64-token / 96-unit cap (K 256). This thread drives the steps; returns every
-    step's rows as (session, tokens before the row, tokens in it)."""
+    step's rows as (session, tokens before the row, tokens in it), and the burst counts the
+    scheduler reported (the metric's)."""
     cfg = capped(max_batch_tokens=512, prefill_burst=burst, overlap="off")
     e = Engine(cfg, loaded=loaded)
     e.worker.stop()
@@ -187,6 +190,8 @@ def burst_script(loaded: LoadedModel, burst: int) -> list[list[tuple[str, int, i
         return step
 
     sched.schedule = record  # type: ignore[method-assign]
+    bursts: list[int] = []
+    sched.observer.prefill_burst = bursts.append  # type: ignore[method-assign]
     rng = random.Random(11)
     try:
         dec = sched.submit(
@@ -220,7 +225,7 @@ def burst_script(loaded: LoadedModel, burst: int) -> list[list[tuple[str, int, i
         dec.cancel()
     finally:
         e.close()
-    return steps
+    return steps, bursts
 
 
 def test_a_burst_of_short_prompts_starts_together_and_a_long_one_keeps_its_pace(
@@ -230,7 +235,10 @@ def test_a_burst_of_short_prompts_starts_together_and_a_long_one_keeps_its_pace(
     decoder instead of waiting behind the long prompt (which came first and, without the
     burst, takes the whole cap every step); the long prompt's chunks are the same either
     way, and no step holds more than 3 x the caps of prompt work."""
-    plain, burst = burst_script(loaded, 1), burst_script(loaded, 3)
+    (plain, none), (burst, counted) = burst_script(loaded, 1), burst_script(loaded, 3)
+    # the first step: the long prompt's 64 tokens fill the single token cap, three short
+    # prompts go into the burst room; the second: the last two (so the metric counts 5)
+    assert none == [] and counted == [3, 2]
 
     def ended(steps: list[list[tuple[str, int, int]]], sid: str) -> int:  # its prompt's step
         return max(i for i, rows in enumerate(steps) if any(r[0] == sid for r in rows))
