@@ -32,17 +32,18 @@
 # every run of the machine's /tmp/ac in one table with the target lines at every N
 # (`bench/agents_compare.py --merge`). Any SERVERS of agents_compare.py may be listed
 # (no-batching too: one request at a time, so ~2-3 min at 64 agents on an H100).
-# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit). The work-cap
-# question of run G (resumed turns at 32 / 64 agents), after a prep call:
-#   SERVERS="ds4pool ds4pool:cap1280 ds4pool:cap2048" AGENTS="32 64" PHASE=seq \
-#   VARIANTS="cap1280=--max-prefill-cost 1280;cap2048=--max-prefill-cost 2048" \
-#   bash bench/h200_agents.sh
-#   SERVERS="ds4pool llama-server transformers" AGENTS="16 32 64" PHASE=run bash bench/h200_agents.sh
+# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit). Run H
+# (session 34) tried --prefill-burst 4 and 8 this way; the next call, after a prep call, with
+# the four client processes of WORK below:
+#   SERVERS="ds4pool llama-server ds4pool:b1 ds4pool:mbt4k" AGENTS="16 32 64" PHASE=seq \
+#   VARIANTS="b1=--prefill-burst 1;mbt4k=--max-batch-tokens 4096" bash bench/h200_agents.sh
+# (a variant's flags come after agents_compare's own --max-batch-tokens: they win). All three
+# servers, each N: SERVERS="ds4pool llama-server transformers" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
 SERVERS=${SERVERS:-"ds4pool llama-server transformers"}
 # ds4pool variants for SERVERS' ds4pool:NAME entries, ";"-separated NAME=FLAGS, e.g.
-# VARIANTS="cap1280=--max-prefill-cost 1280;cap2048=--max-prefill-cost 2048"
+# VARIANTS="b1=--prefill-burst 1;cap1280=--max-prefill-cost 1280"
 VARIANTS=${VARIANTS:-}
 VARIANT_ARGS=()
 IFS=';' read -ra _variants <<<"$VARIANTS"
