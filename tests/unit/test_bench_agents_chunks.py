@@ -12,6 +12,7 @@ from ds4pool.bench.agents import (
     Workload,
     ahead_note,
     chunk_note,
+    client_note,
     prompts_ahead,
     sse_data,
     summarize,
@@ -97,3 +98,15 @@ def test_sse_payloads_across_reads() -> None:
     want = [b'{"a": 1}', b"line one\nline two", b"[DONE]"]
     for size in (1, 3, 7, len(stream)):
         assert asyncio.run(collect(size)) == want, size
+
+
+def test_a_busy_client_is_flagged_per_process() -> None:
+    base = {"label": "srv", "wall_s": 10.0}
+    assert client_note({**base, "client_cpu_s": 4.0}) is None  # 40% of one core
+    note = client_note({**base, "client_cpu_s": 7.5})
+    assert note is not None and note.startswith("srv: the client was busy 75% of the run")
+    # four processes sharing 7.5 s of CPU: under half of each one's core
+    assert client_note({**base, "client_cpu_s": 7.5, "client_procs": 4}) is None
+    note = client_note({**base, "client_cpu_s": 30.0, "client_procs": 4})
+    assert note is not None and "each of 4 client processes was busy 75%" in note
+    assert client_note({"label": "old", "wall_s": 10.0}) is None  # reports before the field
