@@ -68,14 +68,14 @@ class Step:
         or would fit them alone and fit with the burst room; charged to the single caps
         first. Without burst room this is the plain cap (a last chunk that fits is taken
         whole; one that does not is sized by the caller)."""
-        assert self.tokens_left is not None
-        if n > self.tokens_left + self.burst_tokens or n > max(self.cap_tokens, self.tokens_left):
+        assert self.tokens_left is not None  # <= cap_tokens, as work_left <= cap_work
+        if n > self.tokens_left + self.burst_tokens or n > self.cap_tokens:
             return False
         over = n > self.tokens_left  # it takes burst room (tokens, or work below)
         if self.work_left is not None and cost is not None:
             work = cost.cost(start, n)
             left = max(self.work_left, 0.0)
-            if work > left + self.burst_work or work > max(self.cap_work, left):
+            if work > left + self.burst_work or work > self.cap_work:
                 return False
             over = over or work > left
             self.burst_work -= max(0.0, work - left)
