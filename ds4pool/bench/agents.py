@@ -662,15 +662,13 @@ def prompts_ahead(turns: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
     had no first token yet when it was sent. A resumed turn's TTFT is its own prompt's work
     plus that queue, and the queue depends on how the agents' turns line up, which the
     server's own pace shapes (agents whose first turns end together stay in step)."""
-    spans = [(t["start"], t["start"] + t["ttft"]) for t in turns if t.get("ttft") is not None]
-    out = []
-    for t in turns:
-        if t["turn"] == 0 or t.get("ttft") is None:
-            continue
-        at = t["start"]
-        ahead = sum(1 for s, f in spans if s < at < f or (s == at and f > at)) - 1
-        out.append((max(ahead, 0), t["ttft"]))
-    return out
+    timed = [t for t in turns if t.get("ttft") is not None]
+    return [
+        (sum(1 for u in timed if u is not t and u["start"] <= t["start"] < u["start"] + u["ttft"]),
+         t["ttft"])
+        for t in timed
+        if t["turn"] > 0
+    ]  # fmt: skip
 
 
 def ahead_note(report: dict[str, Any]) -> str | None:
@@ -910,6 +908,8 @@ def run_agents(args: argparse.Namespace) -> int:
     except ImportError:
         msg = "ds4pool bench agents needs httpx: pip install httpx"
         raise Ds4poolError(msg) from None
+    if args.client_procs < 1:
+        raise Ds4poolError("--client-procs must be >= 1")
     url = args.url.rstrip("/")
     model = args.model or discover_model(url, args.api_key)
     w = workload_from(args, model)
@@ -921,8 +921,6 @@ def run_agents(args: argparse.Namespace) -> int:
         before.append(await asyncio.to_thread(scrape_metrics, url, args.api_key))
 
     warmup = min(w.agents, 4) if args.warmup is None else args.warmup
-    if args.client_procs < 1:
-        raise Ds4poolError("--client-procs must be >= 1")
     run = asyncio.run(
         run_workload(
             url,
