@@ -28,6 +28,7 @@ from ds4pool.sched.queue import QueueConfig
 from ds4pool.sched.request import Request, RequestStream
 from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserver
 from ds4pool.sched.step_time import FACTOR_DEFAULTS, check_factor
+from ds4pool.sched.trace import StepTrace
 from ds4pool.sched.worker import Worker
 
 GB = 1 << 30
@@ -114,6 +115,8 @@ class EngineConfig:
     # share (kv/store.py). None: a private disk tier.
     replica_id: str | None = None
     lease_ttl_s: float = 30.0
+    # a JSON line per step to this file (sched/trace.py): where requests' waits went
+    trace_steps: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_block_size", "max_batch_tokens", "max_batch_size"):
@@ -316,6 +319,7 @@ class Engine:
             idle=idle,
             overlap=mode in ("on", "ahead"),
             ahead=mode == "ahead",
+            trace=StepTrace(cfg.trace_steps) if cfg.trace_steps is not None else None,
         )
         self.worker.start()
         self._closed = False
@@ -338,6 +342,11 @@ class Engine:
 
     def submit(self, req: Request) -> RequestStream:
         return self.scheduler.submit(req)
+
+    @property
+    def trace(self) -> StepTrace | None:
+        """The --trace-steps file's writer, None when off."""
+        return self.worker.trace
 
     @property
     def shares_store(self) -> bool:
@@ -375,3 +384,5 @@ class Engine:
             sched.accepting = False
         self.worker.stop(timeout)
         self.pool.close()
+        if self.worker.trace is not None:
+            self.worker.trace.close()

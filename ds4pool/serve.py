@@ -40,6 +40,17 @@ def _flag(p: argparse.ArgumentParser, name: str, **kw: Any) -> None:
     p.add_argument(name, **kw)
 
 
+def _trace_file(path: Path | None) -> Path | None:
+    """--trace-steps, checked now: a file that cannot be appended to is a one-line error at
+    start-up, not a failure when the engine starts."""
+    if path is not None:
+        try:
+            path.open("a").close()
+        except OSError as exc:
+            raise Ds4poolError(f"--trace-steps: {exc.strerror or exc}: {path}") from None
+    return path
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     _flag(
@@ -289,6 +300,15 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     _flag(s, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _flag(
         s,
+        "--trace-steps",
+        type=Path,
+        default=None,
+        help="append a JSON line per step to this file: its rows, prompt chunks and times, "
+        "and when each request arrived and was admitted (a diagnostic: where a first token's "
+        "wait went; bench/trace_report.py reads it)",
+    )
+    _flag(
+        s,
         "--drain-grace-s",
         type=float,
         default=0.0,
@@ -364,6 +384,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             session_wait_s=args.session_wait_s,
             tenant_weights={t.name: t.weight for t in keys.values()},
             show_progress=sys.stderr.isatty(),
+            trace_steps=_trace_file(args.trace_steps),
         )
         output = OutputConfig(tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser)
     except ValueError as exc:

@@ -12,6 +12,7 @@ gets the same 400 for a large body as for a small one.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import anyio
@@ -27,7 +28,12 @@ _AT = re.compile(r"`\$\.(.+)`$")  # where msgspec says the error is: "... - at `
 
 
 class ApiRequest(Request):  # type: ignore[type-arg]
-    """The app's request class: `json()` decodes large bodies off the event loop."""
+    """The app's request class: `json()` decodes large bodies off the event loop, and
+    `received_at` (time.monotonic()) is when routing made it, before the body is read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.received_at = time.monotonic()
 
     async def json(self) -> Any:
         if self._json is Empty and self._connection_state.json is Empty:

@@ -162,6 +162,7 @@ async def start(
     if state.cfg.request_timeout_s:
         req.deadline = time.monotonic() + state.cfg.request_timeout_s
     started = time.monotonic()
+    req.received = getattr(request, "received_at", None)
     if engine.shares_store and req.session_id is not None:
         # lease and store look-up: small file I/O, off the event loop
         await anyio.to_thread.run_sync(engine.open_session, req.tenant, req.session_id)
@@ -174,7 +175,10 @@ async def start(
         stream.cancel()
         finish(state, gen, None)
         raise
-    gen.ttft = time.monotonic() - started
+    taken = time.monotonic()
+    gen.ttft = taken - started
+    if engine.trace is not None:  # --trace-steps
+        engine.trace.first_event(req.request_id, stream.first_pushed, taken)
     if gen.first.error is not None:
         fail(state, gen, gen.first)
     return gen

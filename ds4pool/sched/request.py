@@ -93,6 +93,9 @@ class Request:
     constraint: Constraint | None = None
     request_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
+    # time.monotonic() when the HTTP handler got it (set by the API; None otherwise): what
+    # came before `arrival` (body, chat template, checks) shows in --trace-steps
+    received: float | None = None
 
 
 class RequestStream:
@@ -106,9 +109,12 @@ class RequestStream:
         self._wakeup: asyncio.Event | None = None
         self._cancelled = False
         self.finished = False
+        self.first_pushed: float | None = None  # time.monotonic() of the first push
 
     # producer side (worker thread)
     def push(self, event: Event) -> None:
+        if self.first_pushed is None:
+            self.first_pushed = time.monotonic()
         with self._cond:
             self._events.append(event)
             if event.finished:

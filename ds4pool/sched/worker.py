@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from ds4pool.model.runner import Launched
 from ds4pool.sched.scheduler import Scheduler
 from ds4pool.sched.step import Step
+from ds4pool.sched.trace import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class InFlight:
     launched: Launched
     t0: float  # perf_counter at its launch
     host: float  # host seconds from the previous step's results to this launch
+    returned: float  # perf_counter when the launch returned (the host was free again)
 
 
 class Worker:
@@ -65,10 +67,12 @@ class Worker:
         idle: Callable[[], bool] | None = None,
         overlap: bool = False,
         ahead: bool = False,
+        trace: StepTrace | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.overlap = overlap or ahead
         self.ahead = ahead
+        self.trace = trace  # --trace-steps: a line per step (sched/trace.py)
         self._in_flight: InFlight | None = None
         # a step launched ahead, while the one before it (popped from _in_flight) is waited
         self._ahead: InFlight | None = None
@@ -191,6 +195,8 @@ class Worker:
         # which is what the overlapped loop (settle N while N+1 runs) wins back, in part
         host = (t0 - t_plan) + (time.perf_counter() - t1)
         sched.observer.step(len(step.seqs), sum(step.counts), t1 - t0, host)
+        if self.trace is not None:
+            self.trace.step(step, t0, t1, host)
 
     def _step_overlapped(self) -> None:
         sched = self.scheduler
@@ -223,6 +229,8 @@ class Worker:
                 self.steps += 1
                 self._idle_left = self._idle is not None
                 sched.observer.step(len(prev.step.seqs), sum(prev.step.counts), step_s, prev.host)
+                if self.trace is not None:
+                    self.trace.step(prev.step, prev.t0, t_ready, prev.host, prev.returned)
         self._ready_at = t_ready
         if self._ahead_failed is not None:  # its requests' prev rows are advanced: fail them
             (failed, exc), self._ahead_failed = self._ahead_failed, None
@@ -244,7 +252,7 @@ class Worker:
             else:
                 # exposed host time, as the synchronous loop's: from the previous results to
                 # this launch (the runner's own prep is counted in neither)
-                self._in_flight = InFlight(step, launched, t0, t0 - t_ready)
+                self._in_flight = InFlight(step, launched, t0, t0 - t_ready, time.perf_counter())
         if pending is not None:
             sched.settle(pending, in_flight=self._in_flight is not None)
         if self._in_flight is None:
@@ -269,7 +277,8 @@ class Worker:
             self._ahead_failed = (step, exc)
             return
         # no host time exposed: the device had the step before it still to run
-        self._ahead = InFlight(step, launched, time.perf_counter(), 0.0)
+        now = time.perf_counter()
+        self._ahead = InFlight(step, launched, now, 0.0, now)
 
 
 def _check_sessions(step: Step) -> None:

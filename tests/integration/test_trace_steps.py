@@ -1,0 +1,59 @@
+"""--trace-steps: a JSON line per step and per first event, from a real server on loopback
+driven by `ds4pool bench agents`; bench/trace_report.py splits each first token's wait."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench import trace_report
+from ds4pool.cli import main
+from tests.integration.conftest import Server
+from tests.integration.test_bench_agents import TINY
+from tests.integration.test_serve_cli import assert_one_line, serve_refused
+
+def test_trace_of_an_agents_run(
+    serve: Callable[..., Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "steps.jsonl"
+    server = serve({"trace_steps": trace})
+    argv = ["bench", "agents", "--url", server.url, *TINY, "--out", str(tmp_path)]
+    assert main([*argv, "--label", "run", "--no-warmup"]) == 0
+    server.engine.worker.trace.close()  # flushed: the module's server stays up
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [s for s in lines if "t0" in s]
+    firsts = {s["rid"]: s for s in lines if "t0" not in s}
+    news = {r["rid"]: r for s in steps for r in s.get("new", ())}
+    assert len(news) == len(firsts) == 4  # 2 agents x 2 turns, each seen once
+    sessions = sorted(r["session"] for r in news.values())
+    assert sessions == ["agent-0-7", "agent-0-7", "agent-1-7", "agent-1-7"]
+    for rid, r in news.items():
+        chunk_steps = [s for s in steps if any(c[0] == rid for c in s["chunks"])]
+        last = chunk_steps[-1]
+        [chunk] = [c for c in last["chunks"] if c[0] == rid]
+        assert chunk[2] + chunk[1] == chunk[3]  # its last chunk ends the prompt
+        first = firsts[rid]
+        # every stamp in the order the request went through the server
+        stamps = [r["received"], r["arrival"], r["admitted"], chunk_steps[0]["t0"]]
+        stamps += [last["t1"], first["pushed"], first["taken"]]
+        assert stamps == sorted(stamps), (rid, stamps)
+    assert all(s["t0"] <= s["t1"] and s["decode"] >= 0 for s in steps)
+
+    capsys.readouterr()
+    assert trace_report.main([str(trace), "--agents", str(tmp_path / "run.json")]) == 0
+    out = capsys.readouterr().out
+    assert "4 requests with a first token; 4 matched to the client's turns" in out
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines()}
+    for group in ("first", "resumed"):
+        cells = rows[group].strip("|").split("|")
+        assert cells[1].strip() == "2"
+        assert "n/a" not in rows[group], rows[group]  # every part measured
+
+
+def test_a_trace_file_that_cannot_be_written_is_one_line(demo_dir: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "steps.jsonl"
+    proc = serve_refused(demo_dir, "--trace-steps", str(missing), "--port", "0")
+    assert_one_line(proc, "--trace-steps", str(missing))
