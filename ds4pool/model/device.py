@@ -13,6 +13,17 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device` without a host sync. A copy from pageable memory to
+    a CUDA device first waits for everything queued on the stream (CUDA's rule for pageable
+    transfers): one made after a forward's kernels would hold the step's launch until the
+    device has run them (the overlapped loop then streams nothing until then). From pinned
+    memory the copy is queued like a kernel (torch keeps the pinned block until it is done)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def select_device(name: str = "auto") -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():

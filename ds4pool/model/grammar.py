@@ -24,6 +24,7 @@ import torch
 from cachetools import LRUCache
 
 from ds4pool.errors import Ds4poolError
+from ds4pool.model.device import upload
 
 if TYPE_CHECKING:
     from ds4pool.model.tokenizer import Tokenizer
@@ -236,7 +237,7 @@ def apply_token_bitmask(
     host = torch.stack(masks)  # [M, W]
     assert host.shape[1] * 32 >= num_vocab, (host.shape, num_vocab)
     device = logits.device
-    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    index = upload(torch.tensor(rows, dtype=torch.int64), device)  # after the forward: pinned
     sub = logits.index_select(0, index)  # [M, V]
     if device.type == "cpu":
         # xgrammar's C++ loop: ~3x faster here than the tensor ops (which expand to [M, V])
@@ -244,7 +245,7 @@ def apply_token_bitmask(
 
         xgr.apply_token_bitmask_inplace(sub, host, vocab_size=num_vocab)
     else:
-        words = host.pin_memory().to(device, non_blocking=True)
+        words = upload(host, device)
         sub.masked_fill_(forbidden_tokens(words, num_vocab), float("-inf"))
     return logits.index_copy(0, index, sub)
 

@@ -37,6 +37,7 @@ from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
 from ds4pool.model.attention_mla_triton import TritonMLAAttention
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
 from ds4pool.model.cuda_graphs import MODES, CaptureReport, StepGraphs, default_buckets
+from ds4pool.model.device import upload
 from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
@@ -295,8 +296,8 @@ class ModelRunner:
         assert decode or not fed, "only a decode step can be fed"
         if decode:
             logits = self._decode_logits(seqs, fed, feed)  # [B, V], every row
-            if len(rows) != len(seqs):
-                index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            if len(rows) != len(seqs):  # after the forward's kernels: a pinned upload
+                index = upload(torch.tensor(rows, dtype=torch.int64), self.device)
                 logits = logits.index_select(0, index)
         elif (shape := self._mixed_shape(seqs)) is not None:
             logits = self._mixed_logits(seqs, rows, shape)
@@ -410,11 +411,13 @@ class ModelRunner:
             self.backend.index_dtype,
         )
         flat = [t for s in seqs for t in s.token_ids]
-        ids = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(ids, self.kv_caches, meta)  # [T, E]
+        ids = upload(torch.tensor(flat, dtype=torch.int64), self.device)
         ends, total = [], 0
         for s in seqs:
             total += len(s.token_ids)
             ends.append(total - 1)
-        last = torch.tensor([ends[i] for i in rows], dtype=torch.int64).to(self.device)
+        # uploaded before the forward's kernels are queued, or through pinned memory: a
+        # pageable copy after them would hold this launch until the device ran them all
+        last = upload(torch.tensor([ends[i] for i in rows], dtype=torch.int64), self.device)
+        hidden = self.model(ids, self.kv_caches, meta)  # [T, E]
         return self.model.compute_logits(hidden[last])  # [R, V]

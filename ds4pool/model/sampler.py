@@ -46,6 +46,8 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from ds4pool.model.device import upload
+
 _MASK32 = 0xFFFF_FFFF
 # mix32's multipliers; both < 2**31 so that x * C < 2**63 for any 32-bit x.
 _C1 = 0x21F0AAAD
@@ -348,10 +350,8 @@ class Sampler:
         return cached
 
     def _upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Host tensor → device without a host sync (pinned + non-blocking on CUDA)."""
-        if device.type == "cuda":
-            return host.pin_memory().to(device, non_blocking=True)
-        return host.to(device)
+        """Host tensor → device without a host sync (model/device.py upload)."""
+        return upload(host, device)
 
 
 def _mask_top_k_top_p(
