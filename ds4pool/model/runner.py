@@ -367,6 +367,15 @@ class ModelRunner:
         hidden = self.model(self.batch.input_ids[:n], self.kv_caches, meta)  # [B, E]
         return self.model.compute_logits(hidden)
 
+    def launches_eagerly(self, seqs: Sequence[SeqInput]) -> bool:
+        """Whether launch(seqs) runs a prompt step's forward op by op (no CUDA graph for its
+        shape): a launch that holds the host for the whole dispatch, ~10-20 ms of an 8B model
+        on an H100 (more where the forward runs on the host, as on CPU). Decode steps: False
+        (graphs, or the same eager cost whatever comes first)."""
+        if all(len(s.token_ids) == 1 for s in seqs):
+            return False
+        return self._mixed_shape(seqs) is None
+
     def _mixed_shape(self, seqs: Sequence[SeqInput]) -> MixedShape | None:
         """The graph shape of a step of decodes plus exactly one prompt chunk, if it has one."""
         if self.graphs is None:

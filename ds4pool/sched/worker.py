@@ -7,6 +7,9 @@ host's slow part runs while the device computes (deferred writeback):
 
     wait N → advance N → schedule N+1 → launch N+1 → settle N → wait N+1 → ...
 
+except before a launch that runs a prompt step eagerly (no CUDA graph for its shape): that
+launch holds the host for its whole dispatch, so N is settled (its tokens streamed) first.
+
 advance: counts, tokens, grammar, end of sequence, max_tokens (all the schedule needs);
 settle: detokenize, stop strings, stream events, lease.offer, the observer. A request that a
 stop string ends in settle N is already in step N+1: it is finished after N+1's sync and its
@@ -242,6 +245,11 @@ class Worker:
             step = sched.schedule()
         if step is not None:
             _check_sessions(step)
+            if pending is not None and sched.runner.launches_eagerly(step.inputs):
+                # its launch holds the host for the whole dispatch: stream prev's tokens
+                # first (a first token waited out that dispatch; docs/BENCHMARKS.md, run I)
+                sched.settle(pending, in_flight=True)
+                pending = None
             t0 = time.perf_counter()
             try:
                 with self.engine_lock:

@@ -300,6 +300,51 @@ def test_deferred_writeback_runs_after_the_next_launch(loaded: LoadedModel, over
 
 
 @pytest.mark.parametrize("overlap", ["on", "ahead"])
+def test_a_prompt_step_launch_waits_for_the_settle_before_it(
+    loaded: LoadedModel, overlap: str
+) -> None:
+    """A step that runs a prompt chunk eagerly holds the host for its whole launch (an 8B
+    model's dispatch is 10-20 ms on an H100): the step before it is settled first, so its
+    tokens (a first token among them) are streamed before, not after, that dispatch. A decode
+    step's launch (a graph replay) keeps the deferred order: launch, then settle."""
+    e = engine(loaded, overlap)
+    log: list[str] = []
+    lock = threading.Lock()
+    launch, wait, settle = e.runner.launch, e.runner.wait, e.scheduler.settle
+
+    def probe_launch(seqs, *args, **kw):  # type: ignore[no-untyped-def]
+        with lock:
+            log.append("prompt" if any(len(s.token_ids) > 1 for s in seqs) else "decode")
+        return launch(seqs, *args, **kw)
+
+    def probe(name, real, *args, **kw):  # type: ignore[no-untyped-def]
+        with lock:
+            log.append(name)
+        return real(*args, **kw)
+
+    e.runner.launch = probe_launch  # type: ignore[method-assign]
+    e.runner.wait = partial(probe, "wait", wait)  # type: ignore[method-assign]
+    e.scheduler.settle = partial(probe, "settle", settle)  # type: ignore[method-assign]
+    try:
+        a = e.submit(Request(prompt_ids=[5, 6, 7, 8], max_tokens=40, ignore_eos=True))
+        assert a.get(timeout=60).error is None  # A decodes: B's prompt joins its steps
+        b = e.submit(Request(prompt_text=prompt(loaded, 3), max_tokens=4, ignore_eos=True))
+        for s in (a, b):
+            assert s.collect(timeout=120)[2].error is None
+    finally:
+        e.close()
+    # B's chunk ran next to A's decoding: the step before it was waited, then settled, then
+    # B's step launched (deferred, it would be wait, launch, settle)
+    joined = [i for i, name in enumerate(log) if name == "prompt" and i > 0]
+    assert joined, log
+    for i in joined:
+        assert log[i - 2 : i] == ["wait", "settle"], (i, log)
+    # decode steps keep the deferred order: wait, launch, settle
+    decodes = [i for i, name in enumerate(log) if name == "decode" and 0 < i < len(log) - 1]
+    assert any(log[i - 1 : i + 2] == ["wait", "decode", "settle"] for i in decodes), log
+
+
+@pytest.mark.parametrize("overlap", ["on", "ahead"])
 def test_no_request_ends_while_a_step_is_in_flight(loaded: LoadedModel, overlap: str) -> None:
     """A stop string found while the next step runs ends its request only after that step's
     sync: no lease is released (no KV freed or moved) under a step that still writes it.
