@@ -17,6 +17,7 @@ from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError
 from ds4pool.model.runner import ModelRunner
 from ds4pool.sched.config import SchedulerConfig, SchedulerObserver
+from ds4pool.sched.prefix_wait import leader
 from ds4pool.sched.seq import Seq
 
 # A request waits for at most this many bring-ups of its session (kv/prefetch.py). One can
@@ -79,6 +80,10 @@ class Admission:
             # and a text prompt is tokenized on the pretokenize thread (sched/pretokenize.py)
             if seq.pieces is not None and not seq.pieces.done.is_set():
                 return False
+            # and a prompt another running request is computing the start of waits for it
+            # to be indexed (sched/prefix_wait.py)
+            if leader(seq, room.running, self.pool.cfg.block_size) is not None:
+                return False
             if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
                 seq.reads += 1
                 return False
@@ -133,6 +138,7 @@ class Admission:
         if min(m.token_ids) < 0 or max(m.token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq.prompt_ids, seq.num_reused, seq.num_computed = m.token_ids, m.num_cached, m.num_cached
+        seq.offered = m.num_cached
         seq.max_tokens = min(req.max_tokens, limit - len(m.token_ids))
         seq.start_decoding(self.runner.loaded.tokenizer, vocab)
 

@@ -45,6 +45,10 @@ class PromptPieces:
         ids = self._ids.pop(start, None)  # used once: a retry tokenizes again
         return ids if ids is not None else self._encode(piece)
 
+    def ids_at(self, start: int) -> list[int] | None:
+        """The ids of text[start:] if filled (left for `tokenize`), else None."""
+        return self._ids.get(start) if self.done.is_set() else None
+
     @property
     def filled(self) -> list[int]:
         """The offsets filled so far (for tests and logs)."""

@@ -31,6 +31,9 @@ class Seq:
     output_ids: list[int] = field(default_factory=list)
     num_reused: int = 0
     num_computed: int = 0
+    # tokens whose full blocks are in the block index for other requests (offered as steps
+    # settle; the cached prefix at admission): what a request waiting on it can match
+    offered: int = 0
     max_tokens: int = 0
     seed: int = 0
     decoder: IncrementalDecoder | None = None

@@ -122,6 +122,7 @@ class Writeback:
         # full blocks are shared as soon as they are computed: a prompt admitted next
         # step finds the system prompt another request is still prefilling
         seq.lease.offer(seq.prompt_ids, seq.output_ids, seq.num_computed)
+        seq.offered = seq.num_computed
         if token is None:
             return
         if reason is None:
