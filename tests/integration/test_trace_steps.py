@@ -15,6 +15,7 @@ from tests.integration.conftest import Server
 from tests.integration.test_bench_agents import TINY
 from tests.integration.test_serve_cli import assert_one_line, serve_refused
 
+
 def test_trace_of_an_agents_run(
     serve: Callable[..., Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
