@@ -32,12 +32,15 @@
 # every run of the machine's /tmp/ac in one table with the target lines at every N
 # (`bench/agents_compare.py --merge`). Any SERVERS of agents_compare.py may be listed
 # (no-batching too: one request at a time, so ~2-3 min at 64 agents on an H100).
-# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit). Run H
-# (session 34) tried --prefill-burst 4 and 8 this way; the next call, after a prep call, with
-# the four client processes of WORK below:
-#   SERVERS="ds4pool llama-server ds4pool:b1 ds4pool:mbt4k" AGENTS="16 32 64" PHASE=seq \
-#   VARIANTS="b1=--prefill-burst 1;mbt4k=--max-batch-tokens 4096" bash bench/h200_agents.sh
-# (a variant's flags come after agents_compare's own --max-batch-tokens: they win). All three
+# Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit). Run I
+# (session 35) measured the defaults at 16 / 32 / 64 agents with four client processes and
+# traced ds4pool's resumed turns (bench/trace_report.py); its fixes after the trace (settle
+# before an eager launch, prompts waiting for a shared prefix being computed) are not
+# measured yet. The next call, after a prep call (one trace file per server and N: request
+# ids restart with each server):
+#   for n in 32 64 16; do SERVERS="ds4pool:tr$n llama-server" AGENTS=$n PHASE=seq LIMIT=180 \
+#     VARIANTS="tr$n=--trace-steps /tmp/tr$n.jsonl" bash bench/h200_agents.sh; done
+# then `python3 bench/trace_report.py /tmp/trN.jsonl --agents <its ds4pool JSON>`. All three
 # servers, each N: SERVERS="ds4pool llama-server transformers" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
