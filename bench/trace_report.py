@@ -72,9 +72,16 @@ def read_trace(path: Path) -> tuple[list[dict], dict[int, Req]]:
                 continue
             steps.append(step)
             for r in step.get("new", ()):
-                reqs[r["rid"]] = Req(
-                    r["rid"], r["session"], r["received"], r["arrival"], r["admitted"]
-                )
+                seen = reqs.get(r["rid"])
+                if seen is not None and seen.arrival != r["arrival"]:  # not a preemption
+                    raise ValueError(
+                        f"{path}:{n}: request {r['rid']} arrived twice: the file holds more "
+                        "than one server's run (request ids restart with each server)"
+                    )
+                if seen is None:
+                    reqs[r["rid"]] = Req(
+                        r["rid"], r["session"], r["received"], r["arrival"], r["admitted"]
+                    )
             for rid, n_tok, start, prompt in step["chunks"]:
                 req = reqs.get(rid)
                 if req is None:

@@ -58,3 +58,17 @@ def test_a_trace_file_that_cannot_be_written_is_one_line(demo_dir: Path, tmp_pat
     missing = tmp_path / "no-such-dir" / "steps.jsonl"
     proc = serve_refused(demo_dir, "--trace-steps", str(missing), "--port", "0")
     assert_one_line(proc, "--trace-steps", str(missing))
+
+
+def test_a_trace_of_two_servers_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    def line(arrival: float) -> str:
+        new = {"rid": 1, "session": None, "received": None, "arrival": arrival, "admitted": 0}
+        step = {"t0": 0.0, "t1": 0.1, "host": 0.0, "decode": 0, "chunks": [[1, 8, 0, 8]]}
+        return json.dumps({**step, "new": [new]}) + "\n"
+
+    trace = tmp_path / "two.jsonl"
+    trace.write_text(line(1.0) + line(1.0))  # a preempted request comes back: fine
+    assert trace_report.main([str(trace)]) == 0
+    trace.write_text(line(1.0) + line(5.0))  # another server's request 1
+    assert trace_report.main([str(trace)]) == 1
+    assert "more than one server's run" in capsys.readouterr().err
