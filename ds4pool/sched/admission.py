@@ -17,7 +17,7 @@ from ds4pool.kv.pool import SessionPool
 from ds4pool.kv.session import SessionBusyError
 from ds4pool.model.runner import ModelRunner
 from ds4pool.sched.config import SchedulerConfig, SchedulerObserver
-from ds4pool.sched.prefix_wait import leader
+from ds4pool.sched.prefix_wait import leader, may_lead
 from ds4pool.sched.seq import Seq
 
 # A request waits for at most this many bring-ups of its session (kv/prefetch.py). One can
@@ -36,6 +36,18 @@ class Room:
         self.admission = admission
         self.running = running
         self.left: int | None = None  # computed on first use: most builds admit nobody
+        self._leaders: list[Seq] = []
+        self._leaders_of: tuple[int, int] | None = None  # the running list they were read from
+
+    def leaders(self) -> list[Seq]:
+        """The running requests a waiting prompt may wait for (sched/prefix_wait.py), read
+        again whenever the running list changed: one admitted earlier in this build leads
+        the prompts behind it."""
+        of = (len(self.running), id(self.running[-1]) if self.running else 0)
+        if of != self._leaders_of:
+            self._leaders = [r for r in self.running if may_lead(r)]
+            self._leaders_of = of
+        return self._leaders
 
     def take(self, seq: Seq) -> None:
         running = [r for r in self.running if r.lease is not None]
@@ -82,7 +94,7 @@ class Admission:
                 return False
             # and a prompt another running request is computing the start of waits for it
             # to be indexed (sched/prefix_wait.py)
-            if leader(seq, room.running, self.pool.cfg.block_size) is not None:
+            if leader(seq, room.leaders(), self.pool.cfg.block_size) is not None:
                 return False
             if seq.reads < MAX_READ_AHEADS and self.pool.prefetch(seq.tenant, seq.req.session_id):
                 seq.reads += 1

@@ -27,12 +27,10 @@ from ds4pool.sched.seq import Seq
 MIN_SHARED = 256  # tokens: a shorter shared part is not worth a step's wait
 
 
-def shared_len(a: Sequence[int], b: Sequence[int], block_size: int, limit: int) -> int:
-    """Tokens of whole blocks at the start of a and b that are equal, at most `limit`."""
-    n = 0
-    while n + block_size <= limit and a[n : n + block_size] == b[n : n + block_size]:
-        n += block_size
-    return n
+def may_lead(r: Seq, min_shared: int = MIN_SHARED) -> bool:
+    """r runs and has at least min_shared tokens of its prompt still to offer: a build
+    looks for leaders among these only (few: the prompts being prefilled)."""
+    return r.state is State.RUNNING and len(r.prompt_ids) - r.offered > min_shared
 
 
 def known_tokens(seq: Seq) -> Sequence[int] | None:
@@ -45,21 +43,24 @@ def known_tokens(seq: Seq) -> Sequence[int] | None:
 
 
 def leader(
-    seq: Seq, running: Sequence[Seq], block_size: int, min_shared: int = MIN_SHARED
+    seq: Seq, leaders: Sequence[Seq], block_size: int, min_shared: int = MIN_SHARED
 ) -> Seq | None:
-    """The running request computing a prefix of seq's prompt (>= min_shared tokens not
-    offered yet), which seq should wait for; None: admit it now."""
+    """The request among `leaders` (running ones that `may_lead`) computing a prefix of
+    seq's prompt, >= min_shared tokens of whole blocks it has not offered yet, that seq
+    should wait for; None: admit it now. One slice comparison per leader that could share
+    that much (the prefix up to those blocks): a waiting request is asked every build."""
     tokens = known_tokens(seq)
     if tokens is None or len(tokens) <= min_shared:
         return None
     limit = len(tokens) - 1  # its last token is computed whatever is shared
-    for r in running:
-        if r.state is not State.RUNNING or r.tenant != seq.tenant or r.offered > limit:
+    for r in leaders:
+        if r.tenant != seq.tenant:
             continue
         prompt = r.prompt_ids
-        if prompt[:block_size] != tokens[:block_size]:
+        # the shared blocks must reach `need` for min_shared of them to be still unoffered
+        need = -(-(r.offered + min_shared) // block_size) * block_size
+        if need > min(limit, len(prompt)) or prompt[:block_size] != tokens[:block_size]:
             continue
-        shared = shared_len(tokens, prompt, block_size, min(limit, len(prompt)))
-        if shared - r.offered >= min_shared:
+        if prompt[:need] == tokens[:need]:
             return r
     return None

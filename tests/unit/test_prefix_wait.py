@@ -11,7 +11,7 @@ import torch
 
 from ds4pool.engine import Engine
 from ds4pool.model.loader import LoadedModel, load_model
-from ds4pool.sched.prefix_wait import MIN_SHARED, leader, shared_len
+from ds4pool.sched.prefix_wait import MIN_SHARED, leader, may_lead
 from ds4pool.sched.pretokenize import PromptPieces
 from ds4pool.sched.request import Request, RequestStream, State
 from ds4pool.sched.seq import Seq
@@ -84,9 +84,10 @@ def test_who_waits_for_whom() -> None:
     assert leader(follower, [lead], BS) is None
     lead.offered = 0
     # another tenant's blocks are not shared; a leader that stopped running releases it
+    # (Room.leaders keeps only those that may_lead)
     assert leader(follower, [running(lead.prompt_ids, 0, tenant="u")], BS) is None
     lead.state = State.WAITING  # preempted
-    assert leader(follower, [lead], BS) is None
+    assert not may_lead(lead)
     lead.state = State.RUNNING
     # too little in common, or tokens not known before admission: no wait
     assert leader(seq(system[:200] + ids(3, 500)), [lead], BS) is None
@@ -101,9 +102,22 @@ def test_who_waits_for_whom() -> None:
     assert leader(text, [lead], BS) is lead
 
 
-def test_shared_len_counts_whole_equal_blocks_within_the_limit() -> None:
-    a = list(range(100))
-    b = list(range(40)) + [-1] * 60
-    assert shared_len(a, b, BS, 100) == 32  # the third block differs at 40
-    assert shared_len(a, a, BS, 100) == 96  # whole blocks only
-    assert shared_len(a, a, BS, 50) == 48
+def test_who_may_lead() -> None:
+    system = ids(0, 600)
+    r = running(system, offered=0)
+    assert may_lead(r)
+    r.offered = 600 - MIN_SHARED  # what is left to offer is not worth a wait
+    assert not may_lead(r)
+    r.offered, r.state = 0, State.FINISHED
+    assert not may_lead(r)
+
+
+def test_a_leader_admitted_earlier_in_the_build_is_seen() -> None:
+    from ds4pool.sched.admission import Room
+
+    runs: list[Seq] = []
+    room = Room(None, runs)  # type: ignore[arg-type]
+    assert room.leaders() == []
+    lead = running(ids(0, 600), offered=0)
+    runs.append(lead)  # admitted by this build
+    assert room.leaders() == [lead]
