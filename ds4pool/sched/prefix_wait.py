@@ -4,9 +4,9 @@ Agents of one deployment send one system prompt (thousands of tokens) and their 
 arrive together. The block index shares a prompt's full blocks once a step has computed them
 (sched/writeback.py offers them as it settles the step), but a prompt admitted while another
 is still computing that prefix finds none of it and computes it again, beside the first:
-32 agents' first turns (2,400-token system prompt) computed it ~9 times on an H100 with a
-2,048-token step, 64 agents' ~50 times with 4,096 (docs/BENCHMARKS.md, run I), and every
-copy is prompt work the other prompts and the decoders wait behind.
+32 / 64 agents' first turns (a ~2.5k-token shared prefix) computed it ~7 / ~13 times on an
+H100 with the default 2,048-token step, once per agent with 4,096 (docs/BENCHMARKS.md, run
+I), and every copy is prompt work the other prompts and the decoders wait behind.
 
 A waiting request whose tokens are known before admission (given as ids without a session,
 or a text prompt tokenized from its start: a new session) and that shares at least
