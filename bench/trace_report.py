@@ -57,6 +57,7 @@ class Req:
 
 def read_trace(path: Path) -> tuple[list[dict], dict[int, Req]]:
     steps, reqs = [], {}
+    firsts: dict[int, dict] = {}
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             try:
@@ -65,10 +66,8 @@ def read_trace(path: Path) -> tuple[list[dict], dict[int, Req]]:
                 if line.endswith("\n"):
                     raise SystemExit(f"{path}:{n}: not a JSON line") from None
                 break  # the server was still writing its last line
-            if "t0" not in step:  # a first event taken by the API
-                req = reqs.get(step["rid"])
-                if req is not None:
-                    req.pushed, req.taken = step["pushed"], step["taken"]
+            if "t0" not in step:  # a first event taken by the API: its handler may write
+                firsts[step["rid"]] = step  # it before the worker writes the step's line
                 continue
             steps.append(step)
             for r in step.get("new", ()):
@@ -91,6 +90,10 @@ def read_trace(path: Path) -> tuple[list[dict], dict[int, Req]]:
                 req.steps += 1
                 if start + n_tok >= prompt:
                     req.done = step["t1"]
+    for rid, first in firsts.items():
+        req = reqs.get(rid)
+        if req is not None:
+            req.pushed, req.taken = first["pushed"], first["taken"]
     return steps, reqs
 
 

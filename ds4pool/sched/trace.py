@@ -11,6 +11,9 @@ and, from the API, one line per request when its handler takes the first event:
 
     {"rid": request id, "pushed": worker pushed it to the stream, "taken": handler took it}
 
+(lines in the order they were written: a request's first-event line may come before the line
+of the step that sampled it, which the worker writes once it has handed the token over).
+
 Times are time.monotonic() seconds (the clock of Request.arrival). `chunks` are the step's
 prompt rows (a row that computes prompt tokens, recomputed ones included); the chunk whose
 first position + tokens reaches the prompt length is the prompt's last, and its request's

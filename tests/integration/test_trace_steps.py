@@ -69,6 +69,11 @@ def test_a_trace_of_two_servers_is_refused(tmp_path: Path, capsys: pytest.Captur
     trace = tmp_path / "two.jsonl"
     trace.write_text(line(1.0) + line(1.0))  # a preempted request comes back: fine
     assert trace_report.main([str(trace)]) == 0
+    # the handler may write a first event before the worker writes the step's line
+    first = json.dumps({"rid": 1, "pushed": 0.2, "taken": 0.3}) + "\n"
+    trace.write_text(first + line(1.0))
+    _, reqs = trace_report.read_trace(trace)
+    assert (reqs[1].pushed, reqs[1].taken) == (0.2, 0.3)
     trace.write_text(line(1.0) + line(5.0))  # another server's request 1
     assert trace_report.main([str(trace)]) == 1
     assert "more than one server's run" in capsys.readouterr().err
