@@ -131,36 +131,52 @@ def _tokenizer_info(xgr: Any, tokenizer: Tokenizer, vocab_size: int) -> Any:
     )
 
 
-class Utf8Guard:
-    """What xgrammar lets through that is not UTF-8: a surrogate code point (U+D800-DFFF)
-    written as three bytes, ED A0..BF xx. xgrammar takes it for one character of a JSON
-    string while any decoder makes three U+FFFD of it, so a random model could exceed a
-    schema's maxLength (seen: a 12-character bound, 14 characters out). Its masks remove, for
-    a constrained row, every token holding ED A0..BF, and after a token ending in a lone ED
-    lead byte also every token starting with A0..BF. Every other invalid byte sequence
-    (overlong forms, lone continuation bytes, F4 90+, F5+) xgrammar rejects itself."""
+# Lead bytes whose second byte UTF-8 restricts beyond 80..BF, and the second bytes that are
+# not UTF-8 after them: E0 80..9F and F0 80..8F are overlong forms, ED A0..BF a surrogate
+# (U+D800-DFFF), F4 90..BF past U+10FFFF.
+_BAD_SECOND: dict[int, range] = {
+    0xE0: range(0x80, 0xA0),
+    0xED: range(0xA0, 0xC0),
+    0xF0: range(0x80, 0x90),
+    0xF4: range(0x90, 0xC0),
+}
 
-    _INSIDE = re.compile(rb"\xed[\xa0-\xbf]")
+
+class Utf8Guard:
+    """What xgrammar lets through that is not UTF-8: after a lead byte that restricts its
+    second byte (_BAD_SECOND) it may allow any continuation byte. A JSON string takes a
+    surrogate (ED A0..BF xx) for one character; a string with a length bound (maxLength, the
+    rule that counts characters) also overlong E0 80..9F xx and F0 80..8F xx xx. Any decoder
+    makes two to four U+FFFD of such a "character", so a random model exceeded a schema's
+    maxLength (seen: a 12-character bound, 14 characters out, in 6 of 3,900 forced tool calls
+    of the demo model). Its masks remove, for a constrained row, every token holding such a
+    pair, and after a token ending in one of those lead bytes every token starting with a
+    second byte it does not allow. Every other invalid sequence (C0, C1, F5..FF, a lone
+    continuation byte) xgrammar rejects itself."""
+
+    _INSIDE = re.compile(rb"\xe0[\x80-\x9f]|\xed[\xa0-\xbf]|\xf0[\x80-\x8f]|\xf4[\x90-\xbf]")
 
     def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
         words = (vocab_size + 31) // 32
-        inside: list[int] = []  # tokens holding ED A0..BF
-        starts: list[int] = []  # tokens starting with A0..BF
-        ends: list[int] = []  # tokens ending in ED
+        inside: list[int] = []  # tokens holding a lead byte and a second byte it forbids
+        starts: dict[int, list[int]] = {lead: [] for lead in _BAD_SECOND}
+        self.lead_at_end: dict[int, int] = {}  # token → the restricting lead byte it ends in
         for i, t in enumerate(decoded_vocab):
-            if t and 0xA0 <= t[0] <= 0xBF:
-                starts.append(i)
-            if b"\xed" in t:
-                if self._INSIDE.search(t):
-                    inside.append(i)
-                if t.endswith(b"\xed"):
-                    ends.append(i)
-        self.ends_with_lead = frozenset(ends)
+            if not t:
+                continue
+            for lead, bad in _BAD_SECOND.items():
+                if t[0] in bad:
+                    starts[lead].append(i)
+            if t[-1] in _BAD_SECOND:
+                self.lead_at_end[i] = t[-1]
+            if self._INSIDE.search(t):
+                inside.append(i)
         self.anywhere = _clear_bits(inside, words)  # [1, W]: applies in every state
-        self.after_lead = _clear_bits(inside + starts, words)  # after a lone ED
+        self.after = {lead: _clear_bits(inside + starts[lead], words) for lead in _BAD_SECOND}
 
-    def mask(self, after_lead: bool) -> torch.Tensor:
-        return self.after_lead if after_lead else self.anywhere
+    def mask(self, lead: int | None) -> torch.Tensor:
+        """The mask after output ending in `lead` (a lone restricting lead byte), or None."""
+        return self.anywhere if lead is None else self.after[lead]
 
 
 def _clear_bits(tokens: list[int], words: int) -> torch.Tensor:
@@ -183,7 +199,7 @@ class GrammarState:
         self.bitmask = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
         self.dead_end = False
         self._utf8 = constraint.utf8
-        self._after_lead = False  # the output ends with a lone ED lead byte (Utf8Guard)
+        self._lead: int | None = None  # the output ends with this lone lead byte (Utf8Guard)
 
     def fill(self) -> torch.Tensor | None:
         """The next token's bitmask [W] (a view of the reused buffer), or None when every
@@ -192,7 +208,7 @@ class GrammarState:
         if not self._matcher.fill_next_token_bitmask(self.bitmask):
             return None
         if self._utf8 is not None:
-            self.bitmask &= self._utf8.mask(self._after_lead)
+            self.bitmask &= self._utf8.mask(self._lead)
         self.dead_end = not bool(self.bitmask.any())
         return self.bitmask[0]
 
@@ -201,7 +217,7 @@ class GrammarState:
         if not self._matcher.accept_token(token):
             return False
         if self._utf8 is not None:
-            self._after_lead = token in self._utf8.ends_with_lead
+            self._lead = self._utf8.lead_at_end.get(token)
         return True
 
     @property

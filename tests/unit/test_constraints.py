@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ds4pool.model.grammar import GrammarCache, GrammarError, GrammarSpec
@@ -217,6 +219,49 @@ def test_a_string_never_holds_a_surrogate_written_as_utf8() -> None:
     assert allowed(tok.encode("a", add_special_tokens=False)[0])
     inside = [i for i, t in enumerate(vocab) if guard._INSIDE.search(t)]
     assert all(not allowed(i) for i in inside)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "tool_call"])
+def test_a_string_never_holds_an_overlong_form_or_a_surrogate(kind: str) -> None:
+    # in a string with maxLength xgrammar takes E0 80..9F xx and F0 80..8F xx xx (overlong)
+    # for one character, and in any string ED A0..BF xx (a surrogate): the demo model broke
+    # a maxLength 12 with three U+FFFD in 6 of 3,900 forced tool calls
+    from ds4pool.model.grammar import GrammarState
+
+    tok, cache = grammars("qwen3")
+    vocab = _tokenizer_bytes(tok, cache)
+    one = {t: i for i, t in enumerate(vocab) if len(t) == 1}
+    if kind == "json_schema":
+        spec = json_schema_spec({"type": "string", "maxLength": 8}, "response_format")
+        opening = '"'
+    else:  # a bounded string: xgrammar's rule for it is where the overlong forms got in
+        bounded = {"type": "string", "maxLength": 12}
+        tools = parse_tools(
+            [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": bounded}, "required": ["city"]}}}]
+        )  # fmt: skip
+        spec = tool_call_spec("hermes", tools, lambda s: tok.token_to_id(s) is not None)
+        opening = EXPECTED["hermes"][: EXPECTED["hermes"].index('"city": "') + len('"city": "')]
+    bad = {0xE0: (0x80, 0x9F), 0xED: (0xA0, 0xBF), 0xF0: (0x80, 0x8F), 0xF4: (0x90, 0xBF)}
+    good = {0xE0: 0xA0, 0xED: 0x9F, 0xF0: 0x90, 0xF4: 0x8F}
+    for lead, (lo, hi) in bad.items():
+        state = GrammarState(cache.compile(spec), cache.vocab_size)
+        for t in tok.encode(opening, add_special_tokens=False):
+            state.fill()
+            assert state.accept(t), opening
+
+        assert _allowed(state, one[bytes([lead])])
+        assert state.accept(one[bytes([lead])])
+        assert not _allowed(state, one[bytes([lo])]), hex(lead)
+        assert not _allowed(state, one[bytes([hi])]), hex(lead)
+        assert _allowed(state, one[bytes([good[lead]])]), hex(lead)  # valid second bytes stay
+        inside = [i for i, t in enumerate(vocab) if cache.utf8._INSIDE.search(t)]
+        assert all(not _allowed(state, i) for i in inside)
+
+
+def _allowed(state: Any, token: int) -> bool:
+    mask = state.fill()
+    return mask is None or bool((int(mask[token // 32]) >> (token % 32)) & 1)
 
 
 def _tokenizer_bytes(tok: Tokenizer, cache: GrammarCache) -> list[bytes]:
