@@ -292,7 +292,7 @@ class ModelRunner:
             assert feed.logits is None and feed.device_sampled is not None, "feed has no ids"
         self.validate(seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
-        decode = len(seqs) <= self.batch.max_rows and all(len(s.token_ids) == 1 for s in seqs)
+        decode = self._is_decode(seqs)
         assert decode or not fed, "only a decode step can be fed"
         if decode:
             logits = self._decode_logits(seqs, fed, feed)  # [B, V], every row
@@ -371,10 +371,12 @@ class ModelRunner:
         """Whether launch(seqs) runs a prompt step's forward op by op (no CUDA graph for its
         shape): a launch that holds the host for the whole dispatch, ~10-20 ms of an 8B model
         on an H100 (more where the forward runs on the host, as on CPU). Decode steps: False
-        (graphs, or the same eager cost whatever comes first)."""
-        if all(len(s.token_ids) == 1 for s in seqs):
-            return False
-        return self._mixed_shape(seqs) is None
+        (graphs, or the same eager cost whatever comes first). The same choice as launch's."""
+        return not self._is_decode(seqs) and self._mixed_shape(seqs) is None
+
+    def _is_decode(self, seqs: Sequence[SeqInput]) -> bool:
+        """One token a row, within the persistent decode batch: launch's decode path."""
+        return len(seqs) <= self.batch.max_rows and all(len(s.token_ids) == 1 for s in seqs)
 
     def _mixed_shape(self, seqs: Sequence[SeqInput]) -> MixedShape | None:
         """The graph shape of a step of decodes plus exactly one prompt chunk, if it has one."""
