@@ -74,14 +74,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4pool.bench.agents import (  # noqa: E402
-    ahead_note,
-    chunk_note,
-    client_note,
-    moves_cell,
-    ms_pair,
-    steps_note,
-)
+from ds4pool.bench.agents import moves_cell, ms_pair, report_notes  # noqa: E402
 
 SERVERS = ("ds4pool", "no-batching", "transformers", "llama-server")
 BEFORE = "ds4pool:before"  # with --before-ref: ds4pool serve at that git ref
@@ -681,12 +674,7 @@ def write_results(
     failures: list[str],
 ) -> int:
     """Print and write the table, the target lines and the plot; 1 if some run failed."""
-    notes = [
-        n
-        for r in reports
-        for n in (chunk_note(r), steps_note(r), ahead_note(r), client_note(r))
-        if n is not None
-    ]
+    notes = [n for r in reports for n in report_notes(r)]
     text = "\n".join([header, "", table(reports), "", *targets(reports), *notes, *failures])
     print("\n" + text)
     args.out.mkdir(parents=True, exist_ok=True)

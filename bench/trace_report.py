@@ -64,7 +64,7 @@ def read_trace(path: Path) -> tuple[list[dict], dict[int, Req]]:
                 step = json.loads(line)
             except json.JSONDecodeError:
                 if line.endswith("\n"):
-                    raise SystemExit(f"{path}:{n}: not a JSON line") from None
+                    raise ValueError(f"{path}:{n}: not a JSON line") from None
                 break  # the server was still writing its last line
             if "t0" not in step:  # a first event taken by the API: its handler may write
                 firsts[step["rid"]] = step  # it before the worker writes the step's line

@@ -706,6 +706,13 @@ def client_note(report: dict[str, Any]) -> str | None:
     )
 
 
+def report_notes(report: dict[str, Any]) -> list[str]:
+    """Every note on a report (chunks, server steps, prompts ahead, the client's load) that
+    applies, in that order: `bench agents` and bench/agents_compare.py print the same ones."""
+    notes = (chunk_note(report), steps_note(report), ahead_note(report), client_note(report))
+    return [n for n in notes if n is not None]
+
+
 def _mean_ttft_ms(report: dict[str, Any]) -> float | None:
     """The client's mean TTFT over all measured turns, first and resumed."""
     parts = [report[k] for k in ("ttft_first_s", "ttft_resumed_s") if report[k].get("n")]
@@ -953,9 +960,8 @@ def run_agents(args: argparse.Namespace) -> int:
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))
-    for note in (chunk_note(report), steps_note(report), ahead_note(report), client_note(report)):
-        if note is not None:
-            print(note, file=sys.stderr)
+    for note in report_notes(report):
+        print(note, file=sys.stderr)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{label}.json").write_text(json.dumps(report, indent=1) + "\n")
