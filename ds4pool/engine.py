@@ -30,6 +30,7 @@ from ds4pool.sched.scheduler import Scheduler, SchedulerConfig, SchedulerObserve
 from ds4pool.sched.step_time import FACTOR_DEFAULTS, check_factor
 from ds4pool.sched.trace import StepTrace
 from ds4pool.sched.worker import Worker
+from ds4pool.threads import ThreadProbe, choose_threads
 
 GB = 1 << 30
 
@@ -107,6 +108,9 @@ class EngineConfig:
     # CPU: torch's intra-op threads for this process (None: torch's own, one per core);
     # `ds4pool serve` leaves one core to its HTTP side (threads.server_cpu_threads)
     cpu_threads: int | None = None
+    # CPU, more than cpu_threads: at start-up, time a scratch step with each and keep the
+    # faster (threads.choose_threads; `ds4pool serve --cpu-threads auto`: one per core)
+    cpu_threads_up_to: int | None = None
     # CUDA graphs of decode and mixed steps (CUDA only): "ahead" (captured at start-up, for
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"
@@ -142,6 +146,10 @@ class EngineConfig:
             raise ValueError(f"blas must be one of {', '.join(BLAS_LIBRARIES)}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be >= 1")
+        if self.cpu_threads_up_to is not None and not (
+            self.cpu_threads is not None and self.cpu_threads_up_to > self.cpu_threads
+        ):
+            raise ValueError("cpu_threads_up_to must be more than cpu_threads")
         if self.cpu_linear not in CPU_LINEAR_MODES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_MODES)}")
         if self.cuda_graphs not in GRAPH_MODES:
@@ -268,6 +276,16 @@ class Engine:
             max_graph_chunk=min(prefill_tokens(cfg, loaded.device), 2048),
         )
         # Before the pool and the worker exist: nothing else runs on the device yet.
+        self.thread_probe: ThreadProbe | None = None
+        if cfg.cpu_threads_up_to is not None and loaded.device.type == "cpu":
+            assert cfg.cpu_threads is not None  # EngineConfig checks it
+            scratch = self.runner.scratch_step()
+            self.thread_probe = choose_threads(
+                lambda: self.runner.step(scratch),
+                cfg.cpu_threads,
+                cfg.cpu_threads_up_to,
+                torch.set_num_threads,
+            )
         self.graph_capture = self.runner.capture_graphs(cfg.graph_capture_s)
         self.pool = SessionPool(
             PoolConfig(

@@ -75,7 +75,8 @@ def startup_summary(state: ApiState, engine: Engine) -> str:
         n = torch.get_num_threads()
         topo = cpu_topology()  # two logical CPUs may be one core's two hardware threads
         where = f"; {topo['cores']} cores, {topo['logical_cpus']} logical CPUs" if topo else ""
-        cpu_threads = f" ({n} thread{'s' * (n != 1)}{where})"
+        probe = f", {engine.thread_probe.describe()}" if engine.thread_probe else ""
+        cpu_threads = f" ({n} thread{'s' * (n != 1)}{probe}{where})"
     return (
         f"ds4pool {__version__}: model {state.model_name} ({loaded.config.architecture}) on "
         f"{loaded.device} {str(loaded.dtype).removeprefix('torch.')}{cpu_threads}; KV device "

@@ -247,6 +247,21 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
+    def scratch_step(self, rows: int = 4, chunk: int = 32, context: int = 512) -> list[SeqInput]:
+        """A step for timing only (the start-up thread probe): `rows` decode rows at `context`
+        tokens and a `chunk`-token prompt chunk after as many, each on its own blocks from
+        the first ones of the cache, shrunk to fit the cache and the model's length. Run it
+        before anything holds blocks: it writes the KV of the blocks it uses."""
+        bs, vocab = self.block_size, self.loaded.config.vocab_size
+        context = min(context, self.max_model_len - chunk)
+        while context > 1 and -(-(context + chunk) // bs) * (rows + 1) > self.num_blocks:
+            context //= 2
+        per = -(-(context + chunk) // bs)
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(rows + 1)]
+        seqs = [SeqInput([1 % vocab], context - 1, tables[i]) for i in range(rows)]
+        ids = [(7 + i) % vocab for i in range(chunk)]
+        return [*seqs, SeqInput(ids, context, tables[rows])]
+
     def validate(self, seqs: Sequence[SeqInput]) -> None:
         """Host-side checks a bad batch would otherwise turn into a device fault."""
         vocab = self.loaded.config.vocab_size

@@ -48,14 +48,94 @@ def test_no_effect_after_torch_loaded() -> None:
     assert apply_thread_env(environ) == {} and environ == {}
 
 
-def test_a_server_leaves_one_core_to_its_http_side() -> None:
-    from ds4pool.threads import server_cpu_threads
+def test_a_server_leaves_one_core_to_its_http_side_unless_the_probe_finds_it_faster() -> None:
+    from ds4pool.threads import CpuThreads, server_cpu_threads
 
-    assert server_cpu_threads("auto", 2, {}) == 1  # the 2-core box: one model thread
-    assert server_cpu_threads("auto", 16, {}) == 15
-    assert server_cpu_threads("auto", 1, {}) == 1  # never zero
-    assert server_cpu_threads("auto", 8, {"OMP_NUM_THREADS": "4"}) is None  # the user's
-    assert server_cpu_threads("3", 8, {"OMP_NUM_THREADS": "4"}) == 3  # a number wins
+    assert server_cpu_threads("auto", 2, {}) == CpuThreads(1, 2)  # 2 cores: 1, or 2 if faster
+    assert server_cpu_threads("auto", 16, {}) == CpuThreads(15, 16)
+    assert server_cpu_threads("auto", 1, {}) == CpuThreads(1)  # never zero, nothing to try
+    assert server_cpu_threads("auto", 8, {"OMP_NUM_THREADS": "4"}) == CpuThreads(None)  # user's
+    assert server_cpu_threads("3", 8, {"OMP_NUM_THREADS": "4"}) == CpuThreads(3)  # a number wins
     for bad in ("0", "-1", "two", ""):
         with pytest.raises(ValueError, match="cpu_threads must be 'auto' or a number"):
             server_cpu_threads(bad, 8, {})
+
+
+class FakeSteps:
+    """A step whose time depends on the thread count set before it (a fake clock)."""
+
+    def __init__(self, seconds: dict[int, list[float]]) -> None:
+        self.seconds = {n: list(v) for n, v in seconds.items()}
+        self.now, self.threads, self.calls = 0.0, 0, []
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+
+    def step(self) -> None:
+        self.calls.append(self.threads)
+        self.now += self.seconds[self.threads].pop(0)
+
+    def clock(self) -> float:
+        return self.now
+
+
+def probe(seconds: dict[int, list[float]], **kw):  # noqa: ANN003, ANN201
+    from ds4pool.threads import choose_threads
+
+    fake = FakeSteps(seconds)
+    got = choose_threads(fake.step, 1, 2, fake.set_threads, fake.clock, **kw)
+    return got, fake
+
+
+def test_the_probe_keeps_more_threads_only_when_measurably_faster() -> None:
+    # untimed warm-ups first (slow: primitives), then alternating; medians 0.100 vs 0.070
+    got, fake = probe({1: [1, 0.10, 0.30, 0.10], 2: [1, 0.07, 0.07, 0.50]})
+    assert fake.calls == [1, 2, 1, 2, 1, 2, 1, 2]
+    assert (got.fewer_s, got.more_s) == pytest.approx((0.10, 0.07)) and got.chosen == 2
+    assert fake.threads == 2
+    assert "2 of 1-2 by a start-up probe: a step 100 ms with 1, 70 ms with 2" in got.describe()
+    # 0.09 is 0.9x: not faster by enough to give up the HTTP side's core
+    got, fake = probe({1: [1, 0.10, 0.10, 0.10], 2: [1, 0.09, 0.09, 0.09]})
+    assert got.chosen == 1 and fake.threads == 1
+    # sleeping threads that buy nothing (session 28's Xeon)
+    got, fake = probe({1: [1, 0.10, 0.10, 0.10], 2: [1, 0.11, 0.10, 0.12]})
+    assert got.chosen == 1 and fake.threads == 1
+
+
+def test_the_probe_stops_early_on_a_slow_step() -> None:
+    got, fake = probe({1: [5, 5], 2: [4, 2]}, max_s=3.0)  # one timed round only
+    assert fake.calls == [1, 2, 1, 2] and (got.fewer_s, got.more_s, got.chosen) == (5, 2, 2)
+
+
+def test_an_engine_probes_on_scratch_blocks_and_then_serves_as_one_without(demo_dir) -> None:  # noqa: ANN001
+    import torch
+
+    from ds4pool.engine import EngineConfig
+    from ds4pool.model.loader import load_model
+    from tests.unit.test_sharing import engine, ids, run
+
+    loaded = load_model(str(demo_dir), torch.device("cpu"), torch.float32)
+    before = torch.get_num_threads()
+    prompt = ids(1, 100)
+    try:
+        probed = engine(loaded, cpu_threads=1, cpu_threads_up_to=2)
+        try:
+            p = probed.thread_probe
+            assert p is not None and (p.fewer, p.more) == (1, 2) and p.chosen in (1, 2)
+            assert p.fewer_s > 0 and p.more_s > 0 and torch.get_num_threads() == p.chosen
+            got = [run(probed, prompt, "s"), run(probed, prompt + ids(2, 20), "s")]
+        finally:
+            probed.close()
+        plain = engine(loaded, cpu_threads=p.chosen)
+        try:
+            assert plain.thread_probe is None
+            want = [run(plain, prompt, "s"), run(plain, prompt + ids(2, 20), "s")]
+        finally:
+            plain.close()
+        assert got == want  # the blocks the probe wrote were free for sessions again
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="cpu_threads_up_to must be more than cpu_threads"):
+        EngineConfig(cpu_threads=2, cpu_threads_up_to=2)
+    with pytest.raises(ValueError, match="cpu_threads_up_to"):
+        EngineConfig(cpu_threads_up_to=2)
