@@ -367,6 +367,11 @@ class Engine:
         return self.worker.trace
 
     @property
+    def cpu_threads(self) -> int | None:
+        """The model's intra-op threads on CPU (after the start-up probe); None elsewhere."""
+        return torch.get_num_threads() if self.loaded.device.type == "cpu" else None
+
+    @property
     def shares_store(self) -> bool:
         """Several replicas share the disk tier (--replica-id): see open_session."""
         return self.pool.tiers.store is not None

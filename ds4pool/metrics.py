@@ -432,7 +432,14 @@ class Metrics:
             "ds4pool_build", "The model and runtime this server runs.", registry=r
         )
         self.build_info.info(
-            {"model": "", "device": "", "dtype": "", "version": __version__, "replica": ""}
+            {
+                "model": "",
+                "device": "",
+                "dtype": "",
+                "version": __version__,
+                "replica": "",
+                "cpu_threads": "",
+            }
         )
 
         self._precreate()
@@ -486,6 +493,7 @@ class Metrics:
                 "dtype": str(loaded.dtype).removeprefix("torch."),
                 "version": __version__,
                 "replica": engine.cfg.replica_id or "",
+                "cpu_threads": str(engine.cpu_threads or ""),  # the model's, on CPU
             }
         )
         self.engine = engine

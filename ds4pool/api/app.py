@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import torch
 from litestar import HttpMethod, Litestar, Response, get, route
 from litestar import Request as HttpRequest
 from litestar.datastructures import State
@@ -72,7 +71,7 @@ def startup_summary(state: ApiState, engine: Engine) -> str:
     )
     cpu_threads = ""
     if loaded.device.type == "cpu":
-        n = torch.get_num_threads()
+        n = engine.cpu_threads or 0
         topo = cpu_topology()  # two logical CPUs may be one core's two hardware threads
         where = f"; {topo['cores']} cores, {topo['logical_cpus']} logical CPUs" if topo else ""
         probe = f", {engine.thread_probe.describe()}" if engine.thread_probe else ""

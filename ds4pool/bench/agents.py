@@ -479,6 +479,20 @@ def histogram_totals(text: str | None) -> dict[str, tuple[float, float]] | None:
     return {k: (c, s) for k, (c, s) in out.items()} or None
 
 
+_BUILD_LINE = re.compile(r"^ds4pool_build_info\{(?P<labels>[^}]*)\}")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def build_labels(text: str | None) -> dict[str, str] | None:
+    """The labels of ds4pool_build_info (model, device, dtype, version, the model's CPU
+    threads); None for a server without it."""
+    for line in (text or "").splitlines():
+        m = _BUILD_LINE.match(line)
+        if m is not None:
+            return dict(_LABEL.findall(m.group("labels")))
+    return None
+
+
 def server_steps(
     before: dict[str, tuple[float, float]] | None, after: dict[str, tuple[float, float]] | None
 ) -> dict[str, float | int | None] | None:
@@ -645,8 +659,10 @@ def steps_note(report: dict[str, Any]) -> str | None:
         return "n/a" if v is None else format(v, fmt)
 
     busy = st["steps"] * (st["step_ms"] or 0.0) / 1e3
+    threads = (report.get("server_build") or {}).get("cpu_threads")
+    on = f" on {threads} CPU thread{'s' * (threads != '1')}" if threads else ""
     return (
-        f"{report['label']}: {st['steps']:,} steps of {num(st['step_ms'], '.1f')} ms "
+        f"{report['label']}: {st['steps']:,} steps{on} of {num(st['step_ms'], '.1f')} ms "
         f"({num(st['host_ms'], '.1f')} ms host; {busy:.1f} s in all, the run's wall "
         f"{report['wall_s']:.1f} s), {num(st['rows'], '.1f')} sequences and "
         f"{num(st['tokens'], ',.0f')} tokens a step; {st['capped_steps']:,} steps ran decoders "
@@ -957,6 +973,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "client_procs": args.client_procs,
         **{k: moves_delta(start[k], end[k]) for k in COUNTERS},
         "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
+        "server_build": build_labels(after),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))

@@ -253,9 +253,18 @@ class ModelRunner:
         the first ones of the cache, shrunk to fit the cache and the model's length. Run it
         before anything holds blocks: it writes the KV of the blocks it uses."""
         bs, vocab = self.block_size, self.loaded.config.vocab_size
-        context = min(context, self.max_model_len - chunk)
-        while context > 1 and -(-(context + chunk) // bs) * (rows + 1) > self.num_blocks:
+        chunk = max(1, min(chunk, self.max_model_len // 2))
+        context = max(1, min(context, self.max_model_len - chunk))
+
+        def fits() -> bool:
+            return -(-(context + chunk) // bs) * (rows + 1) <= self.num_blocks
+
+        while context > 1 and not fits():
             context //= 2
+        while rows and not fits():
+            rows -= 1
+        while chunk > 1 and not fits():
+            chunk //= 2
         per = -(-(context + chunk) // bs)
         tables = [list(range(i * per, (i + 1) * per)) for i in range(rows + 1)]
         seqs = [SeqInput([1 % vocab], context - 1, tables[i]) for i in range(rows)]

@@ -139,3 +139,19 @@ def test_an_engine_probes_on_scratch_blocks_and_then_serves_as_one_without(demo_
         EngineConfig(cpu_threads=2, cpu_threads_up_to=2)
     with pytest.raises(ValueError, match="cpu_threads_up_to"):
         EngineConfig(cpu_threads_up_to=2)
+
+
+def test_the_scratch_step_fits_any_cache(demo_dir) -> None:  # noqa: ANN001
+    import torch
+
+    from ds4pool.model.loader import load_model
+    from ds4pool.model.runner import ModelRunner
+
+    loaded = load_model(str(demo_dir), torch.device("cpu"), torch.float32)
+    for blocks in (1, 3, 9, 40, 400):
+        runner = ModelRunner(loaded, num_blocks=blocks, block_size=16)
+        seqs = runner.scratch_step()
+        used = {b for s in seqs for b in s.block_table}
+        assert max(used) < blocks and len(used) == sum(len(s.block_table) for s in seqs)
+        assert seqs[-1].num_computed > 0 or blocks < 9  # a chunk after a context where it fits
+        runner.step(seqs)  # valid: no error
