@@ -15,7 +15,8 @@ also carries C prompt tokens of one more session on the same prefix (what
 
 As `ds4pool serve` runs it on CPU: projections packed for oneDNN (`--cpu-linear auto`),
 OMP_WAIT_POLICY=PASSIVE, glibc's mmap threshold at 1 MiB (ds4pool/allocator.py), --threads
-torch threads (the server's `--cpu-threads auto` on a 2-core box: 1). Every (code, C) runs
+torch threads (the server's `--cpu-threads auto` on a 2-core box: 1, or 2 where its start-up
+probe times a step at most 0.85x as long with 2). Every (code, C) runs
 in a fresh process per round, the codes alternating, so a busy machine slows both alike;
 with --before-ref the "before" processes import ds4pool from a git worktree of that ref
 (made under /tmp, removed at the end). Printed per code and C: a step's median and best

@@ -1,4 +1,5 @@
-"""OpenMP settings the command line applies before torch loads.
+"""OpenMP settings the command line applies before torch loads, and the model's thread count
+(`ds4pool serve --cpu-threads`, with its start-up probe).
 
 torch's CPU kernels run on OpenMP threads that, by default, spin between parallel regions
 waiting for the next one. On a box whose cores are shared (the agents that ds4pool serves,
