@@ -75,12 +75,17 @@ def test_sigterm_flushes_sessions_and_a_restart_resumes_them(
         log = stop(proc)
     assert "model" in log and "KV device" in log  # the startup summary
     cores = r"(; (\d+) cores, (\d+) logical CPUs)?"
-    threads = re.search(rf"on cpu float32 \((\d+) threads?{cores}\)", log)
-    assert threads, log  # on CPU it names the model's threads: auto leaves one core free
+    probe = r"(, (\d+) of (\d+)-(\d+) by a start-up probe: a step \d+ ms with \d+, "
+    probe += r"\d+ ms with \d+)?"
+    threads = re.search(rf"on cpu float32 \((\d+) threads?{probe}{cores}\)", log)
+    assert threads, log  # on CPU it names the model's threads, and how auto chose them
     if Path("/sys/devices/system/cpu/cpu0/topology").is_dir():  # and the cores under them
-        assert threads[2] and 1 <= int(threads[3]) <= int(threads[4]), log
+        assert threads[6] and 1 <= int(threads[7]) <= int(threads[8]), log
     if "OMP_NUM_THREADS" not in os.environ:
-        assert 1 <= int(threads[1]) <= max(1, (os.cpu_count() or 1) - 1)
+        assert 1 <= int(threads[1]) <= (os.cpu_count() or 1)
+    if threads[2]:  # auto on more than one core: one left free, or all where that was faster
+        chosen, fewer, more = int(threads[3]), int(threads[4]), int(threads[5])
+        assert fewer == more - 1 and chosen in (fewer, more) and int(threads[1]) == chosen, log
     assert "session=survivor" in log and "cached=0" in log  # one line per request
     assert list((tmp_path / "kv").glob("*.snap")), "sessions were not flushed at shutdown"
 
