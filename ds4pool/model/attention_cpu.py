@@ -218,6 +218,7 @@ class GatherCall:
     blocks: torch.Tensor  # [g * n] block ids, row by row
     n: int  # blocks per row
     mask: torch.Tensor | None  # [g, 1, 1, n * bs] 0 / -inf; None: every key visible
+    head_rows: torch.Tensor | None = None  # head-major cache: _head_rows of blocks
 
 
 @dataclass(frozen=True)
@@ -367,8 +368,11 @@ def plan_decode(
             device,
             cache.dtype,
         )
+        flat = blocks.flatten()
         gather_calls.append(
-            GatherCall(ints(rows), ints([k for _, _, k in members]), blocks.flatten(), n, mask)
+            GatherCall(
+                ints(rows), ints([k for _, _, k in members]), flat, n, mask, _head_rows(cache, flat)
+            )
         )
     most = max((c.rows.numel() * c.n for c in gather_calls), default=0)
     gather_numel = 2 * most * bs * h_kv * d
@@ -425,8 +429,8 @@ def run_decode(
     buffer = _buffer(scratch, plan.gather_numel, cache) if plan.gathers else None
     for c in plan.gathers:
         rows = c.rows.numel()
-        keys = _gather_heads(cache[0], c.blocks, buffer, 0)
-        values = _gather_heads(cache[1], c.blocks, buffer, 1)
+        keys = _gather_heads(cache[0], c.blocks, buffer, 0, c.head_rows)
+        values = _gather_heads(cache[1], c.blocks, buffer, 1, c.head_rows)
         keys = keys.view(h_kv, rows, c.n * bs, d).transpose(0, 1)
         values = values.view(h_kv, rows, c.n * bs, d).transpose(0, 1)
         o, lse = _flash(group_q.index_select(0, c.rows), keys, values, c.mask, scale)
@@ -490,27 +494,49 @@ def _buffer(scratch: dict[object, object] | None, numel: int, like: torch.Tensor
     return made
 
 
+def _head_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
+    """For a head-major cache [2, N + 1, bs, H_kv, D]: the rows of each plane seen as
+    [H_kv * (N + 1), bs * D] that hold `blocks` [n], head by head ([H_kv * n]); None for a
+    token-major cache. Made once a step (plan_decode) and read by every layer."""
+    plane = cache[0]
+    if not _head_major(plane):
+        return None
+    heads = torch.arange(plane.shape[2], device=blocks.device) * plane.shape[0]
+    return (heads[:, None] + blocks[None]).flatten()
+
+
+def _head_major(plane: torch.Tensor) -> bool:  # memory [H_kv, N + 1, bs, D], whole
+    return plane.permute(2, 0, 1, 3).is_contiguous()
+
+
 def _gather_heads(
     plane: torch.Tensor,
     blocks: torch.Tensor,
     buffer: torch.Tensor | None = None,  # flat: the copy goes to its half `half` (0 or 1)
     half: int = 0,
+    head_rows: torch.Tensor | None = None,  # _head_rows(cache, blocks), where made already
 ) -> torch.Tensor:
     """Blocks [n] of one plane as [H_kv, n * bs, D], copied in the cache's memory order.
 
-    Head-major cache: one memcpy of bs * D values per head and block, and the kernel then
-    reads each head's keys as one matrix. Token-major: whole blocks, as main did (gathering
-    it head-major would copy D values at a time, ~10x slower)."""
-    _, bs, h_kv, d = plane.shape
+    Head-major cache: one index_select over the rows of [H_kv * (N + 1), bs * D] (a memcpy
+    of bs * D values per head and block), and the kernel then reads each head's keys as one
+    matrix. Over that flat first dim torch splits the copy across its threads; over dim 1 of
+    [H_kv, N + 1, bs, D] it did not, and with two threads it took twice as long inside a
+    step (docs/BENCHMARKS.md "a start-up thread probe"). Token-major: whole blocks, as main
+    did (gathering it head-major would copy D values at a time, ~10x slower)."""
+    slots, bs, h_kv, d = plane.shape
     n = blocks.numel()
     out = None
     if buffer is not None:
         size = n * bs * h_kv * d
         out = buffer[half * (buffer.numel() // 2) :][:size]
-    if plane.stride(2) > plane.stride(0):  # head-major memory [H_kv, N + 1, bs, D]
+    if _head_major(plane):
+        if head_rows is None:
+            head_rows = (torch.arange(h_kv) * slots)[:, None].add(blocks[None]).flatten()
+        flat = plane.permute(2, 0, 1, 3).view(h_kv * slots, bs * d)
         if out is not None:
-            out = out.view(h_kv, n, bs, d)
-        return torch.index_select(plane.permute(2, 0, 1, 3), 1, blocks, out=out).flatten(1, 2)
+            out = out.view(h_kv * n, bs * d)
+        return torch.index_select(flat, 0, head_rows, out=out).view(h_kv, n * bs, d)
     if out is not None:
         out = out.view(n, bs, h_kv, d)
     return torch.index_select(plane, 0, blocks, out=out).permute(2, 0, 1, 3).flatten(1, 2)
@@ -558,9 +584,10 @@ def paged_prefill(
         values = _slot_heads(cache[1])[:, run * bs : (run + n) * bs]
     else:
         buffer = _buffer(scratch, 2 * n * bs * h_kv * d, cache)
+        rows = _head_rows(cache, blocks)
         keys, values = (
-            _gather_heads(cache[0], blocks, buffer, 0),
-            _gather_heads(cache[1], blocks, buffer, 1),
+            _gather_heads(cache[0], blocks, buffer, 0, rows),
+            _gather_heads(cache[1], blocks, buffer, 1, rows),
         )
     keys, values = keys[:, : context_len - start], values[:, : context_len - start]  # [H_kv, C', D]
     mask = None

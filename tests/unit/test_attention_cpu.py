@@ -362,3 +362,25 @@ def test_a_steps_copies_reuse_one_buffer_across_layers(monkeypatch: pytest.Monke
         q, k, v, cache, build_metadata([1] * 4, lens, tables, BS, torch.device("cpu")), D**-0.5
     )
     assert torch.equal(first, second) and torch.equal(first, fresh)
+
+
+def test_a_gather_gives_each_heads_keys_in_block_order_in_either_memory_order() -> None:
+    """_gather_heads: blocks [n] of a plane as [H_kv, n * bs, D], the same values from a
+    head-major cache (rows of [H_kv * (N + 1), bs * D], precomputed or not, into a buffer
+    or not) as from a token-major one, and as indexing the plane would give them."""
+    from ds4pool.model.attention_cpu import _gather_heads, _head_rows
+
+    h_kv, blocks = 3, torch.tensor([5, 0, 7, 7, 2])
+    _, token_major, *_ = random_step([1], [100], h_kv, 3)
+    _, head_major, *_ = random_step([1], [100], h_kv, 3, head_major=True)
+    assert torch.equal(token_major, head_major)  # the same values, two memory orders
+    want = token_major[0][blocks].permute(2, 0, 1, 3).flatten(1, 2)  # [H_kv, n * bs, D]
+    assert _head_rows(token_major, blocks) is None
+    rows = _head_rows(head_major, blocks)
+    assert rows is not None and rows.numel() == h_kv * blocks.numel()
+    buffer = torch.full((2 * want.numel() + 5,), float("nan"))
+    for cache in (token_major, head_major):
+        for buf, half in ((None, 0), (buffer, 0), (buffer, 1)):
+            for pre in (None, _head_rows(cache, blocks)):
+                got = _gather_heads(cache[0], blocks, buf, half, pre)
+                assert got.shape == want.shape and torch.equal(got, want)
