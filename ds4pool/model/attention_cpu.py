@@ -369,10 +369,9 @@ def plan_decode(
             cache.dtype,
         )
         flat = blocks.flatten()
+        pieces_of = ints([k for _, _, k in members])
         gather_calls.append(
-            GatherCall(
-                ints(rows), ints([k for _, _, k in members]), flat, n, mask, _head_rows(cache, flat)
-            )
+            GatherCall(ints(rows), pieces_of, flat, n, mask, _head_rows(cache[0], flat))
         )
     most = max((c.rows.numel() * c.n for c in gather_calls), default=0)
     gather_numel = 2 * most * bs * h_kv * d
@@ -494,11 +493,10 @@ def _buffer(scratch: dict[object, object] | None, numel: int, like: torch.Tensor
     return made
 
 
-def _head_rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
-    """For a head-major cache [2, N + 1, bs, H_kv, D]: the rows of each plane seen as
+def _head_rows(plane: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
+    """For a head-major plane [N + 1, bs, H_kv, D]: the rows of it seen as
     [H_kv * (N + 1), bs * D] that hold `blocks` [n], head by head ([H_kv * n]); None for a
-    token-major cache. Made once a step (plan_decode) and read by every layer."""
-    plane = cache[0]
+    token-major one. Made once a step (plan_decode) and read by every layer's K and V."""
     if not _head_major(plane):
         return None
     heads = torch.arange(plane.shape[2], device=blocks.device) * plane.shape[0]
@@ -514,7 +512,7 @@ def _gather_heads(
     blocks: torch.Tensor,
     buffer: torch.Tensor | None = None,  # flat: the copy goes to its half `half` (0 or 1)
     half: int = 0,
-    head_rows: torch.Tensor | None = None,  # _head_rows(cache, blocks), where made already
+    head_rows: torch.Tensor | None = None,  # _head_rows(plane, blocks), where made already
 ) -> torch.Tensor:
     """Blocks [n] of one plane as [H_kv, n * bs, D], copied in the cache's memory order.
 
@@ -531,8 +529,8 @@ def _gather_heads(
         size = n * bs * h_kv * d
         out = buffer[half * (buffer.numel() // 2) :][:size]
     if _head_major(plane):
-        if head_rows is None:
-            head_rows = (torch.arange(h_kv) * slots)[:, None].add(blocks[None]).flatten()
+        head_rows = _head_rows(plane, blocks) if head_rows is None else head_rows
+        assert head_rows is not None
         flat = plane.permute(2, 0, 1, 3).view(h_kv * slots, bs * d)
         if out is not None:
             out = out.view(h_kv * n, bs * d)
@@ -584,7 +582,7 @@ def paged_prefill(
         values = _slot_heads(cache[1])[:, run * bs : (run + n) * bs]
     else:
         buffer = _buffer(scratch, 2 * n * bs * h_kv * d, cache)
-        rows = _head_rows(cache, blocks)
+        rows = _head_rows(cache[0], blocks)
         keys, values = (
             _gather_heads(cache[0], blocks, buffer, 0, rows),
             _gather_heads(cache[1], blocks, buffer, 1, rows),

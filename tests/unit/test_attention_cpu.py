@@ -375,12 +375,12 @@ def test_a_gather_gives_each_heads_keys_in_block_order_in_either_memory_order() 
     _, head_major, *_ = random_step([1], [100], h_kv, 3, head_major=True)
     assert torch.equal(token_major, head_major)  # the same values, two memory orders
     want = token_major[0][blocks].permute(2, 0, 1, 3).flatten(1, 2)  # [H_kv, n * bs, D]
-    assert _head_rows(token_major, blocks) is None
-    rows = _head_rows(head_major, blocks)
+    assert _head_rows(token_major[0], blocks) is None
+    rows = _head_rows(head_major[0], blocks)
     assert rows is not None and rows.numel() == h_kv * blocks.numel()
     buffer = torch.full((2 * want.numel() + 5,), float("nan"))
     for cache in (token_major, head_major):
         for buf, half in ((None, 0), (buffer, 0), (buffer, 1)):
-            for pre in (None, _head_rows(cache, blocks)):
+            for pre in (None, _head_rows(cache[0], blocks)):
                 got = _gather_heads(cache[0], blocks, buf, half, pre)
                 assert got.shape == want.shape and torch.equal(got, want)
