@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ds4pool.cpu_share import ThreadGovernor
 from ds4pool.kv.cost import RestorePolicy
 from ds4pool.kv.fingerprint import ModelFingerprint
 from ds4pool.kv.pool import DeviceKV, PoolConfig, PoolObserver, SessionPool
@@ -286,6 +287,11 @@ class Engine:
                 cfg.cpu_threads_up_to,
                 torch.set_num_threads,
             )
+        # one thread per core by the probe: a core goes back while other processes use one
+        self.governor: ThreadGovernor | None = None
+        probe = self.thread_probe
+        if probe is not None and probe.chosen == probe.more:
+            self.governor = ThreadGovernor(probe.fewer, probe.more, torch.set_num_threads)
         self.graph_capture = self.runner.capture_graphs(cfg.graph_capture_s)
         self.pool = SessionPool(
             PoolConfig(
@@ -338,6 +344,7 @@ class Engine:
             overlap=mode in ("on", "ahead"),
             ahead=mode == "ahead",
             trace=StepTrace(cfg.trace_steps) if cfg.trace_steps is not None else None,
+            before_step=self.governor.tick if self.governor is not None else None,
         )
         self.worker.start()
         self._closed = False
@@ -368,7 +375,10 @@ class Engine:
 
     @property
     def cpu_threads(self) -> int | None:
-        """The model's intra-op threads on CPU (after the start-up probe); None elsewhere."""
+        """The model's intra-op threads on CPU now (the probe's, or the governor's); None
+        elsewhere."""
+        if self.governor is not None:
+            return self.governor.threads
         return torch.get_num_threads() if self.loaded.device.type == "cpu" else None
 
     @property

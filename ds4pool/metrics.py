@@ -297,6 +297,12 @@ class Metrics:
         self.kv_blocks_total = Gauge(
             "ds4pool_kv_blocks_total", "Device KV blocks preallocated.", registry=r
         )
+        self.cpu_threads = Gauge(
+            "ds4pool_cpu_threads",
+            "The model's CPU threads now (the start-up probe's count, one fewer while other "
+            "processes keep a core busy); 0 off CPU.",
+            registry=r,
+        )
         self.kv_blocks_indexed = Gauge(
             "ds4pool_kv_blocks_indexed",
             "Full device KV blocks in the block index (shareable by content, per tenant).",
@@ -432,14 +438,7 @@ class Metrics:
             "ds4pool_build", "The model and runtime this server runs.", registry=r
         )
         self.build_info.info(
-            {
-                "model": "",
-                "device": "",
-                "dtype": "",
-                "version": __version__,
-                "replica": "",
-                "cpu_threads": "",
-            }
+            {"model": "", "device": "", "dtype": "", "version": __version__, "replica": ""}
         )
 
         self._precreate()
@@ -493,7 +492,6 @@ class Metrics:
                 "dtype": str(loaded.dtype).removeprefix("torch."),
                 "version": __version__,
                 "replica": engine.cfg.replica_id or "",
-                "cpu_threads": str(engine.cpu_threads or ""),  # the model's, on CPU
             }
         )
         self.engine = engine
@@ -655,6 +653,7 @@ def collect_gauges(metrics: Metrics, engine: Engine) -> None:
     metrics.prefill_rate.set(rates.prefill_tokens_per_s)
     # a float written by the worker thread: reading it needs no lock
     metrics.prefill_work_seconds.set(sched.step_time.seconds_per_work or 0.0)
+    metrics.cpu_threads.set(engine.cpu_threads or 0)
 
 
 def render(metrics: Metrics, engine: Engine | None = None) -> bytes:

@@ -479,17 +479,16 @@ def histogram_totals(text: str | None) -> dict[str, tuple[float, float]] | None:
     return {k: (c, s) for k, (c, s) in out.items()} or None
 
 
-_BUILD_LINE = re.compile(r"^ds4pool_build_info\{(?P<labels>[^}]*)\}")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_THREADS_LINE = re.compile(r"^ds4pool_cpu_threads\s+(?P<value>\S+)")
 
 
-def build_labels(text: str | None) -> dict[str, str] | None:
-    """The labels of ds4pool_build_info (model, device, dtype, version, the model's CPU
-    threads); None for a server without it."""
+def server_cpu_threads(text: str | None) -> int | None:
+    """ds4pool_cpu_threads (the model's CPU threads at the scrape); None for a server without
+    it or off CPU (0)."""
     for line in (text or "").splitlines():
-        m = _BUILD_LINE.match(line)
+        m = _THREADS_LINE.match(line)
         if m is not None:
-            return dict(_LABEL.findall(m.group("labels")))
+            return int(float(m.group("value"))) or None
     return None
 
 
@@ -659,8 +658,8 @@ def steps_note(report: dict[str, Any]) -> str | None:
         return "n/a" if v is None else format(v, fmt)
 
     busy = st["steps"] * (st["step_ms"] or 0.0) / 1e3
-    threads = (report.get("server_build") or {}).get("cpu_threads")
-    on = f" on {threads} CPU thread{'s' * (threads != '1')}" if threads else ""
+    threads = report.get("server_cpu_threads")
+    on = f" on {threads} CPU thread{'s' * (threads != 1)}" if threads else ""
     return (
         f"{report['label']}: {st['steps']:,} steps{on} of {num(st['step_ms'], '.1f')} ms "
         f"({num(st['host_ms'], '.1f')} ms host; {busy:.1f} s in all, the run's wall "
@@ -973,7 +972,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "client_procs": args.client_procs,
         **{k: moves_delta(start[k], end[k]) for k in COUNTERS},
         "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
-        "server_build": build_labels(after),
+        "server_cpu_threads": server_cpu_threads(after),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))

@@ -71,8 +71,11 @@ class Worker:
         overlap: bool = False,
         ahead: bool = False,
         trace: StepTrace | None = None,
+        before_step: Callable[[], object] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # called on this thread before each turn of the loop (cpu_share.ThreadGovernor.tick)
+        self.before_step = before_step
         self.overlap = overlap or ahead
         self.ahead = ahead
         self.trace = trace  # --trace-steps: a line per step (sched/trace.py)
@@ -141,6 +144,8 @@ class Worker:
 
     def step_once(self) -> None:
         """One turn of the loop: a whole step, or (overlap) wait one and launch the next."""
+        if self.before_step is not None:
+            self.before_step()
         if self.overlap:
             self._step_overlapped()
         else:

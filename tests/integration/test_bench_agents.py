@@ -74,16 +74,15 @@ def test_the_servers_steps_over_the_measured_part(
     client = report["ttft_first_s"]["mean"] + report["ttft_resumed_s"]["mean"]
     assert 0 < st["ttft_ms"] <= client / 2 * 1e3
     assert report["session_moves"] is not None  # ds4pool's counters are there too
-    # the server's build labels: the model's CPU threads, which the steps line names
-    build = report["server_build"]
-    assert build["device"] == "cpu" and int(build["cpu_threads"]) >= 1
-    n = int(build["cpu_threads"])
+    # the model's CPU threads at the end (ds4pool_cpu_threads), which the steps line names
+    n = report["server_cpu_threads"]
+    assert n is not None and n >= 1
     on = f"{st['steps']:,} steps on {n} CPU thread{'s' * (n != 1)} of"
     assert "steps: " in capsys.readouterr().err and on in (steps_note(report) or "")
     # a server without metrics: n/a, and no line
     plain = _run(serve(), tmp_path, "plain")
     assert plain["server_steps"] is None and steps_note(plain) is None
-    assert plain["server_build"] is None
+    assert plain["server_cpu_threads"] is None
 
 
 def test_agents_dealt_to_client_processes(serve: Callable[..., Server], tmp_path: Path) -> None:

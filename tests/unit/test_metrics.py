@@ -27,7 +27,7 @@ TENANT = "acme-tenant"
 # every label a ds4pool metric may have; anything else (a session id, a tenant) is a bug
 ALLOWED_LABELS = {
     "endpoint", "status", "priority", "tier", "from", "to", "reason", "kind", "choice",
-    "model", "device", "dtype", "version", "le", "result", "op", "replica", "cpu_threads",
+    "model", "device", "dtype", "version", "le", "result", "op", "replica",
 }  # fmt: skip
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -333,7 +333,7 @@ def test_render_and_build_info(loaded: LoadedModel, metrics: Metrics, engine: En
     assert v == 1
     assert labels["model"] == loaded.name and labels["device"] == "cpu"
     assert labels["dtype"] == "float32" and labels["version"]
-    assert labels["cpu_threads"] == str(torch.get_num_threads())  # the model's threads
+    assert s[("ds4pool_cpu_threads", ())] == torch.get_num_threads()  # the model's threads
     # the priority label is clamped, and the depths add up at the bound
     queue = engine.scheduler.queue
     queue.depth_by_priority = lambda: {0: 2, 50: 3, 99: 1}  # type: ignore[method-assign]
