@@ -9,9 +9,12 @@ threads against 308 ms with one (docs/BENCHMARKS.md "a start-up thread probe").
 
 ThreadGovernor, called by the worker before each step, reads every `interval_s` how much
 CPU time the rest of the machine took since the last reading (all CPUs' busy time in
-/proc/stat less this process's own) and runs the fewer count while that is above
-`busy_cores`, the more count again once it is below `idle_cores`. Where /proc/stat cannot be
-read (not Linux), it keeps the count it started with.
+/proc/stat less this process's own) and runs the fewer count as soon as that is above
+`busy_cores`, the more count again once it has stayed below `idle_cores` for `calm_s`: a
+neighbour that works in bursts gets less CPU while the model runs one thread per core, and
+so looks idle for a second (seen: a client writing its report flipped the count every
+second with a one-reading rule). Where /proc/stat cannot be read (not Linux), it keeps the
+count it started with.
 """
 
 from __future__ import annotations
@@ -53,11 +56,14 @@ class ThreadGovernor:
         interval_s: float = 1.0,
         busy_cores: float = 0.5,
         idle_cores: float = 0.25,
+        calm_s: float = 5.0,
     ) -> None:
         assert fewer < more and idle_cores <= busy_cores
         self.fewer, self.more = fewer, more
         self._set, self._read, self._clock = set_threads, read, clock
         self.interval_s, self.busy_cores, self.idle_cores = interval_s, busy_cores, idle_cores
+        self.calm_s = calm_s
+        self._calm_since: float | None = None  # since when every reading was under idle_cores
         self.threads = more  # the count the engine set (the probe's choice)
         self.others: float | None = None  # cores the rest of the machine used, last reading
         self.switches = 0
@@ -76,10 +82,14 @@ class ThreadGovernor:
             return self.threads
         self.others = max(0.0, (cur[0] - last[0]) - (cur[1] - last[1])) / elapsed
         want = self.threads
-        if self.others > self.busy_cores:
-            want = self.fewer
-        elif self.others < self.idle_cores:
-            want = self.more
+        if self.others < self.idle_cores:
+            self._calm_since = now - elapsed if self._calm_since is None else self._calm_since
+            if now - self._calm_since >= self.calm_s:
+                want = self.more
+        else:
+            self._calm_since = None
+            if self.others > self.busy_cores:
+                want = self.fewer
         if want != self.threads:
             self._set(want)
             self.threads = want

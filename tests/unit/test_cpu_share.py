@@ -45,8 +45,17 @@ def test_a_core_goes_back_while_others_use_one_and_comes_back_after() -> None:
     assert g.tick() == 1 and m.set_calls == [1] and g.others == pytest.approx(1.0)
     m.run(1.5, others=0.4, own=1.0)  # between the thresholds: stays
     assert g.tick() == 1 and m.set_calls == [1]
-    m.run(1.5, others=0.1, own=1.0)  # the build is over
+    m.run(1.5, others=0.1, own=1.0)  # the build is over: calm for 1.5 s, not yet 5
+    assert g.tick() == 1 and m.set_calls == [1]
+    m.run(1.5, others=0.6, own=1.0)  # a burst: the calm starts again
+    assert g.tick() == 1 and m.set_calls == [1]
+    for _ in range(3):
+        m.run(1.5, others=0.1, own=1.0)
+        assert g.tick() == 1
+    m.run(1.5, others=0.1, own=1.0)  # 6 s of calm
     assert g.tick() == 2 and m.set_calls == [1, 2] and g.switches == 2
+    m.run(1.5, others=0.9, own=1.0)  # back to fewer at the first busy reading
+    assert g.tick() == 1 and m.set_calls == [1, 2, 1]
 
 
 def test_without_proc_stat_the_count_stays() -> None:
