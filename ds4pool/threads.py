@@ -52,9 +52,10 @@ def server_cpu_threads(setting: str, torch_default: int, environ: Mapping[str, s
     a team member in the middle of a parallel region and the whole team waits, and on some
     VMs waking a sleeping thread costs more than it brings (session 28's Xeon: one thread gave
     a lower ITL and more tokens per second than two); on others the second thread makes every
-    step ~1.5x faster and the server's ITL 1.2x lower (docs/BENCHMARKS.md "a start-up probe").
-    An exported OMP_NUM_THREADS wins over `auto`; a number wins over both. Bad values raise
-    ValueError (one line)."""
+    step ~1.5x faster and the server's ITL 1.2x lower (docs/BENCHMARKS.md "a start-up thread
+    probe"). Where the probe keeps one per core, cpu_share.ThreadGovernor gives one back
+    while other processes keep a core busy. An exported OMP_NUM_THREADS wins over `auto`; a
+    number wins over both. Bad values raise ValueError (one line)."""
     if setting == "auto":
         if environ.get("OMP_NUM_THREADS"):
             return CpuThreads(None)
