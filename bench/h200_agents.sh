@@ -35,8 +35,10 @@
 # Runs on an H100 as well (sm_90, 80 GB: the 14 GB model and 40 GB of KV fit). Run I
 # (session 35) measured the defaults at 16 / 32 / 64 agents with four client processes and
 # traced ds4pool's resumed turns (bench/trace_report.py); its fixes after the trace (settle
-# before an eager launch, prompts waiting for a shared prefix being computed) are not
-# measured yet. The next call, after a prep call (one trace file per server and N: request
+# before an eager launch, prompts waiting for a shared prefix being computed) were measured
+# alone at 32 agents in run J (session 36: push 2 ms, first turns 3.4x sooner, resumed p50
+# 168 ms as agents line up more), not beside llama-server yet. The next call, after a prep
+# call (one trace file per server and N: request
 # ids restart with each server):
 #   for n in 32 64 16; do SERVERS="ds4pool:tr$n llama-server" AGENTS=$n PHASE=seq LIMIT=180 \
 #     VARIANTS="tr$n=--trace-steps /tmp/tr$n.jsonl" bash bench/h200_agents.sh; done
