@@ -482,7 +482,7 @@ def histogram_totals(text: str | None) -> dict[str, tuple[float, float]] | None:
 _THREADS_LINE = re.compile(r"^ds4pool_cpu_threads\s+(?P<value>\S+)")
 
 
-def server_cpu_threads(text: str | None) -> int | None:
+def scraped_cpu_threads(text: str | None) -> int | None:
     """ds4pool_cpu_threads (the model's CPU threads at the scrape); None for a server without
     it or off CPU (0)."""
     for line in (text or "").splitlines():
@@ -972,7 +972,7 @@ def run_agents(args: argparse.Namespace) -> int:
         "client_procs": args.client_procs,
         **{k: moves_delta(start[k], end[k]) for k in COUNTERS},
         "server_steps": server_steps(histogram_totals(before[0]), histogram_totals(after)),
-        "server_cpu_threads": server_cpu_threads(after),
+        "server_cpu_threads": scraped_cpu_threads(after),
         "turns": [asdict(t) for t in sorted(turns, key=lambda t: (t.agent, t.turn))],
     }
     print(markdown_table([report]))
