@@ -55,8 +55,10 @@ IFS=';' read -ra _variants <<<"$VARIANTS"
 for v in "${_variants[@]}"; do [ -n "$v" ] && VARIANT_ARGS+=(--variant "$v"); done
 AGENTS=${AGENTS:-"16 32 64"}
 OUT=${OUT:-/tmp/h200_agents}
+THINK=${THINK:-"0.2 0.2"}  # an agent's pause between turns, MIN MAX seconds (uniform)
+AC=${AC:-/tmp/ac}  # the runs' directories (another AC for another workload: --merge takes all)
 LIMIT=${LIMIT:-570}  # seconds: stop starting runs after this, so that the results come back
-mkdir -p "$OUT" /tmp/ac
+mkdir -p "$OUT" "$AC"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -64,7 +66,7 @@ export PYTHONPATH=/tmp/site
 SRC=/tmp/llama/src
 # four client processes: one parsing ~1,700 streamed tokens/s was most of a core (run H)
 WORK=(--client-procs 4 --model-dir /tmp/m8b --device cuda --kv-gb 40 --turns 4
-  --system-tokens 2400 --user-tokens 230 --gen-tokens 64 --think-s 0.2 0.2)
+  --system-tokens 2400 --user-tokens 230 --gen-tokens 64 --think-s $THINK)
 NCPU=$(nproc)
 BPIN="" JOBS=$NCPU PIN=()
 if [ "$PHASE" = one ]; then  # the measured side on the last four cores, the build elsewhere
@@ -115,7 +117,7 @@ if [ "$llama" = 1 ] && [[ $PHASE == prep || $PHASE == run ]]; then  # one, seq: 
 fi
 [ "$PHASE" = prep ] && exit 0
 
-one_run() {  # one server at one N, within the time left; its files under /tmp/ac
+one_run() {  # one server at one N, within the time left; its files under $AC
   local server=$1 n=$2 extra=() left
   if [ "$server" = llama-server ]; then
     wait_llama || { echo "llama-server: not built in time"; return; }
@@ -125,11 +127,11 @@ one_run() {  # one server at one N, within the time left; its files under /tmp/a
   left=$((LIMIT - SECONDS))
   [ "$left" -gt 30 ] || { echo "no time left for $server N=$n"; return; }
   timeout "$left" "${PIN[@]}" python3 bench/agents_compare.py --servers "$server" "${WORK[@]}" \
-    "${VARIANT_ARGS[@]}" "${extra[@]}" --agents "$n" --out "/tmp/ac/$server-$n" 2>&1 |
+    "${VARIANT_ARGS[@]}" "${extra[@]}" --agents "$n" --out "$AC/$server-$n" 2>&1 |
     grep -E "^\| $server |^FAILED|^$server-N$n: "
   echo "  ($server N=$n ended at ${SECONDS} s)"
   # the device's file return refuses names with ":" (ds4pool:NAME): "_" in the archive's
-  tar czf "$OUT/${server//:/_}-$n.tgz" -C /tmp/ac "$server-$n" 2>/dev/null
+  tar czf "$OUT/${server//:/_}-$n.tgz" -C "$AC" "$server-$n" 2>/dev/null
 }
 if [ "$PHASE" = seq ]; then
   # only where llama-server is measured (session 34 lost 170 s of a call waiting for a build
@@ -140,6 +142,6 @@ else
   for server in $SERVERS; do for n in $AGENTS; do one_run "$server" "$n"; done; done
 fi
 # one table and the target lines at every N over all the runs above (and earlier calls')
-python3 bench/agents_compare.py --merge /tmp/ac/*/agents_compare.json --device cuda \
+python3 bench/agents_compare.py --merge "$AC"/*/agents_compare.json --device cuda \
   --out "$OUT/all" 2>&1 | grep -E "^N=|^\| " | grep -v "^| server"
 echo "done at ${SECONDS} s"

@@ -3,12 +3,15 @@ kernels inside (torch.profiler sees the kernels of graph replays through CUPTI).
 
     python bench/profile_decode.py --model random:llama3-8b --batch 1 64
     python bench/profile_decode.py --batch 8 --mixed 128 512 --mixed-ctx 8192 16384
+    python bench/profile_decode.py --batch 24 --prompt-len 3000 --mixed 243 --mixed-ctx 2900 \
+        --mixed-chunks 1 8     # a burst of 8 resumed prompts of the agents workload
 
 Prints per batch size: step ms (runner.step, incl. input upload, sampling and the one
 readback), replay ms (the graph alone, CUDA events), kernels per step and the top kernels
 by device time. With --mixed, also mixed steps: the batch's decoders next to one prompt
-chunk of each size whose cached context ends at each --mixed-ctx (a mixed-step CUDA graph
-where the chunk fits the graphs' buckets, else eager; --no-cuda-graphs for eager);
+chunk (or --mixed-chunks of them) of each size whose cached context ends at each --mixed-ctx
+(a mixed-step CUDA graph where one chunk fits the graphs' buckets, else eager;
+--no-cuda-graphs for eager);
 host-bound when the step takes longer than its kernels.
 """
 
@@ -38,12 +41,21 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--mixed", type=int, nargs="*", default=[], help="prompt chunk sizes")
     ap.add_argument("--mixed-ctx", type=int, nargs="+", default=[8192])
+    ap.add_argument(
+        "--mixed-chunks",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="prompt chunks in a mixed step, each count in turn (several: eager, as the "
+        "agents' bursts)",
+    )
     ap.add_argument("--no-cuda-graphs", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda")
     loaded = load_model(args.model, device, torch.bfloat16)
     per_seq = -(-(args.prompt_len + 64) // 16)
     long_blocks = -(-(max(args.mixed_ctx) + max(args.mixed, default=0)) // 16) if args.mixed else 0
+    long_blocks *= max(args.mixed_chunks)
     blocks = per_seq * max(args.batch) + long_blocks + 1
     runner = ModelRunner(loaded, num_blocks=blocks, cuda_graphs=not args.no_cuda_graphs)
     for b in args.batch:
@@ -97,7 +109,8 @@ def main() -> None:
             print(f"| {e.key[:90]} | {e.count / 3:.0f} | {e.device_time_total / 3:.0f} |")
         for chunk in args.mixed:
             for ctx in args.mixed_ctx:
-                profile_mixed(runner, pool, seqs(n), chunk, ctx, args.top)
+                for count in args.mixed_chunks:
+                    profile_mixed(runner, pool, seqs(n), chunk, ctx, args.top, count)
         for t in tables:
             t.release(pool)
 
@@ -116,13 +129,21 @@ def kernel_table(prof: profile, steps: int, top: int) -> tuple[float, float]:
 
 
 def profile_mixed(
-    runner: ModelRunner, pool: BlockPool, decoders: list[SeqInput], chunk: int, ctx: int, top: int
+    runner: ModelRunner,
+    pool: BlockPool,
+    decoders: list[SeqInput],
+    chunk: int,
+    ctx: int,
+    top: int,
+    count: int = 1,
 ) -> None:
-    """One eager mixed step: the decoders plus a `chunk`-token prompt chunk at `ctx`."""
-    table = BlockTable(16)
-    table.ensure(pool, ctx + chunk)
+    """One mixed step: the decoders plus `count` prompt chunks of `chunk` tokens at `ctx`
+    (one: a mixed-step graph where it fits; several run eagerly)."""
+    tables = [BlockTable(16) for _ in range(count)]
+    for table in tables:
+        table.ensure(pool, ctx + chunk)
     ids = [(7 * i) % runner.loaded.config.vocab_size for i in range(chunk)]
-    step = [*decoders, SeqInput(ids, ctx, table.blocks, sample=False)]
+    step = [*decoders, *(SeqInput(ids, ctx, t.blocks, sample=False) for t in tables)]
     for _ in range(2):
         runner.step(step)
     times = []
@@ -134,7 +155,8 @@ def profile_mixed(
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(2):
             runner.step(step)
-    print(f"\n## mixed: {len(decoders)} decoders + a {chunk}-token chunk at context {ctx}")
+    what = f"a {chunk}-token chunk" if count == 1 else f"{count} chunks of {chunk} tokens"
+    print(f"\n## mixed: {len(decoders)} decoders + {what} at context {ctx}")
     kernels, device_ms = kernel_table(prof, 2, top)
     host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
     host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -146,7 +168,8 @@ def profile_mixed(
         f"step {statistics.median(times):.2f} ms, kernels {device_ms:.2f} ms "
         f"({kernels:.0f} per step)"
     )
-    table.release(pool)
+    for table in tables:
+        table.release(pool)
 
 
 if __name__ == "__main__":
