@@ -21,7 +21,12 @@ turn is matched to its request (X-Session-Id `agent-<i>-<seed>`, turns in order)
              came before the handler (reading and routing the request)
 
 Prints p50 / p90 in ms of each part, first turns and resumed turns apart, then the steps: how
-many, their length by the number of prompt chunks they carried.
+many, their length by the number of prompt chunks they carried, and the prompts' busy
+periods: requests whose time from arrival to first token overlaps, chained (a request that
+arrives before the period's last first token joins it). Agents that line up (every turn
+ending in the same few steps, the same pause) come as a few large periods whose arrivals
+lie close together and whose length is the prompts' compute one after another; agents
+spread out come as many periods of one or two.
 """
 
 from __future__ import annotations
@@ -183,6 +188,46 @@ def step_lines(steps: list[dict]) -> list[str]:
     return lines
 
 
+SIZES = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 1 << 30))
+
+
+def busy_periods(reqs: list[Req]) -> list[list[Req]]:
+    """The requests (with a first token) in chains of overlapping arrival → first token
+    (their server-side part: `done`), in arrival order."""
+    periods: list[list[Req]] = []
+    end = float("-inf")
+    for req in sorted((r for r in reqs if r.done is not None), key=lambda r: r.arrival):
+        assert req.done is not None
+        if req.arrival > end:
+            periods.append([])
+        periods[-1].append(req)
+        end = max(end, req.done)
+    return periods
+
+
+def period_lines(reqs: list[Req]) -> list[str]:
+    periods = busy_periods(reqs)
+    lines = [
+        "| requests in a busy period | periods | requests | arrivals spread p50 (ms) | "
+        "length p50 (ms) | server p50 (ms) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for lo, hi in SIZES:
+        group = [p for p in periods if lo <= len(p) <= hi]
+        if not group:
+            continue
+        spread = [(p[-1].arrival - p[0].arrival) * 1e3 for p in group]
+        length = [(max(r.done or 0.0 for r in p) - p[0].arrival) * 1e3 for p in group]
+        server = [r.parts["server"] * 1e3 for p in group for r in p if "server" in r.parts]
+        label = str(lo) if lo == hi else f"{lo}+" if hi > 1 << 20 else f"{lo}-{hi}"
+        cell = f"{pct(server, 50):,.1f}" if server else "n/a"
+        lines.append(
+            f"| {label} | {len(group)} | {sum(map(len, group))} | {pct(spread, 50):,.1f} | "
+            f"{pct(length, 50):,.1f} | {cell} |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("trace", type=Path, help="the --trace-steps file")
@@ -207,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(groups)))
     print()
     print("\n".join(step_lines(steps)))
+    print()
+    print("\n".join(period_lines(done)))
     return 0
 
 

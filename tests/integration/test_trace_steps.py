@@ -77,3 +77,21 @@ def test_a_trace_of_two_servers_is_refused(tmp_path: Path, capsys: pytest.Captur
     trace.write_text(line(1.0) + line(5.0))  # another server's request 1
     assert trace_report.main([str(trace)]) == 1
     assert "more than one server's run" in capsys.readouterr().err
+
+
+def test_busy_periods_chain_overlapping_prompts() -> None:
+    def req(rid: int, arrival: float, done: float | None) -> trace_report.Req:
+        r = trace_report.Req(rid, None, None, arrival, arrival, arrival, done)
+        r.parts = trace_report.split(r)
+        return r
+
+    # 1 and 2 overlap, 3 arrives before 2's first token (the chain), 4 after: alone;
+    # 5 never got a first token
+    reqs = [req(1, 0.0, 0.05), req(2, 0.01, 0.10), req(3, 0.09, 0.20), req(4, 0.5, 0.51)]
+    reqs.append(req(5, 0.6, None))
+    periods = trace_report.busy_periods(reqs)
+    assert [[r.rid for r in p] for p in periods] == [[1, 2, 3], [4]]
+    rows = {line.split("|")[1].strip(): line for line in trace_report.period_lines(reqs)}
+    assert rows["1"].split("|")[2:6] == [" 1 ", " 1 ", " 0.0 ", " 10.0 "]
+    # three requests: arrivals 90 ms apart, the last first token 200 ms after the first arrival
+    assert rows["2-3"].split("|")[2:6] == [" 1 ", " 3 ", " 90.0 ", " 200.0 "]
