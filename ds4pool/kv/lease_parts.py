@@ -36,7 +36,8 @@ def truncate_kv(p: PoolParts, s: Session, n: int) -> int:
     if n >= s.num_computed:
         return n
     if s.tier is Tier.DEVICE:
-        n = p.sharing.truncate(s, n)
+        # a copy-on-write block is had as any other: idle sessions are demoted for it
+        n = p.sharing.truncate(s, n, lambda k: p.make_room(k, s))
     elif s.tier is Tier.RAM:
         p.tiers.truncate_host(s, n)
     # DISK: the snapshot keeps more tokens than needed; restore copies only n.

@@ -15,7 +15,7 @@ its caller.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds4pool.errors import Ds4poolError, OutOfBlocksError
@@ -112,10 +112,11 @@ class PrefixSharing:
         """The copied blocks of a restore hold their tokens now: index them."""
         self.index.insert(s.block_keys, table.blocks, s.priority)
 
-    def truncate(self, s: Session, n: int) -> int:
+    def truncate(self, s: Session, n: int, make_room: Callable[[int], None] | None = None) -> int:
         """Keep a device session's first n tokens of KV; returns how many are kept: n, or n
-        rounded down to a block when its last, partial block is shared and no block is free
-        for the copy (copy-on-write)."""
+        rounded down to a block when its last, partial block is shared and no block can be
+        had for the copy (copy-on-write). `make_room(k)` frees k blocks if it can (the pool
+        demotes idle sessions, as for any other allocation) or raises OutOfBlocksError."""
         table = s.block_table
         assert table is not None
         bs = self.block_size
@@ -123,9 +124,8 @@ class PrefixSharing:
         del s.block_keys[n // bs :]
         if not n % bs or not self.index.is_shared(table.blocks[-1]):
             return n
-        try:
-            (fresh,) = self.index.allocate(1)
-        except OutOfBlocksError:
+        fresh = self._one_block(make_room)
+        if fresh is None:
             n -= n % bs
             table.truncate(self.index, n)
             return n
@@ -133,6 +133,19 @@ class PrefixSharing:
         table.truncate(self.index, n - n % bs)  # lets go of the shared one; a new epoch
         table.blocks.append(fresh)
         return n
+
+    def _one_block(self, make_room: Callable[[int], None] | None) -> int | None:
+        """A free or cached block; else one freed by make_room; None if neither can."""
+        try:
+            return self.index.allocate(1)[0]
+        except OutOfBlocksError:
+            if make_room is None:
+                return None
+        try:
+            make_room(1)
+            return self.index.allocate(1)[0]
+        except OutOfBlocksError:
+            return None
 
     # ------------------------------------------------------------ pinned prefixes
 

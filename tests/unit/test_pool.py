@@ -219,6 +219,36 @@ def test_token_prefix_reuse_truncates_past_divergence(
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("num_blocks", [8, 64])
+def test_a_fork_inside_an_indexed_block_on_a_full_device_keeps_every_token(
+    loaded: LoadedModel, num_blocks: int
+) -> None:
+    """A prompt diverging inside the session's own indexed (full) block needs a fresh block
+    for the copy-on-write. On a full device an idle session is demoted for it, as for any
+    other allocation, instead of the reuse being rounded down to whole blocks (the crash
+    test's rare 'cached 208, the reference 213': the same fork reused 5 tokens less than on
+    a roomy device)."""
+    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=BLOCK)
+    pool = make_pool(loaded, runner)
+    base = ids(48, 1)  # three full blocks
+    s = pool.acquire("t", "a")
+    turn(pool, runner, s, prompt_ids=base)
+    s.offer(base, [], len(base))  # as the scheduler does: every full block is indexed
+    s.release()
+    s = pool.acquire("t", "idle")
+    turn(pool, runner, s, prompt_ids=ids(80, 2))  # five blocks: with 8, the device is full
+    s.release()
+    s = pool.acquire("t", "a")
+    got = turn(pool, runner, s, prompt_ids=base[:40] + ids(10, 3))  # diverges in block 2
+    s.release()
+    assert got.num_reused == 40 and got.num_computed == 10
+    pool.check_integrity()
+    # the old branch stays indexed: a session with the base prompt shares its three blocks
+    s = pool.acquire("t", "b")
+    assert s.prepare(prompt_ids=[*base, 7]).num_cached == 48
+    s.release()
+
+
 def test_budgets_hold_and_lru_order(loaded: LoadedModel, tmp_path: Path) -> None:
     runner = ModelRunner(loaded, num_blocks=12, block_size=BLOCK)  # room for ~4 sessions
     per_session = 40 * runner.kv_bytes // (12 * BLOCK)  # 40 tokens of KV
