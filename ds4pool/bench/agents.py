@@ -686,6 +686,44 @@ def prompts_ahead(turns: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
     ]  # fmt: skip
 
 
+WAVE = 8  # resumed turns: a busy period this large is a wave of agents in step
+
+
+def resumed_waves(turns: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The resumed turns in busy periods, by send time: a turn sent before the first token of
+    one sent earlier in its period joins it (chained). Agents whose turns end together
+    arrive as a few large periods; agents spread out as many of one or two."""
+    timed = sorted(
+        (t for t in turns if t.get("ttft") is not None and t["turn"] > 0), key=lambda t: t["start"]
+    )
+    waves: list[list[dict[str, Any]]] = []
+    end = float("-inf")
+    for t in timed:
+        if t["start"] > end:
+            waves.append([])
+        waves[-1].append(t)
+        end = max(end, t["start"] + t["ttft"])
+    return waves
+
+
+def waves_note(report: dict[str, Any]) -> str | None:
+    """One line: how many resumed turns came in waves of WAVE or more and how close
+    together their prompts were sent (bench/trace_report.py splits the server's side)."""
+    waves = resumed_waves(report.get("turns") or [])
+    if not waves:
+        return None
+    big = [w for w in waves if len(w) >= WAVE]
+    n = sum(map(len, waves))
+    line = (
+        f"{report['label']}: {n} resumed turns in {len(waves)} busy periods (the largest "
+        f"{max(map(len, waves))}); {sum(map(len, big))} in {len(big)} waves of {WAVE}+"
+    )
+    if big:
+        spread = stats([w[-1]["start"] - w[0]["start"] for w in big])["p50"]
+        line += f", each sent within {spread * 1e3:,.0f} ms (p50)"
+    return line
+
+
 def ahead_note(report: dict[str, Any]) -> str | None:
     """One line: resumed turns' TTFT where at most one other prompt was ahead of them vs
     where more were: like for like across servers whose runs line the agents up differently."""
@@ -722,9 +760,15 @@ def client_note(report: dict[str, Any]) -> str | None:
 
 
 def report_notes(report: dict[str, Any]) -> list[str]:
-    """Every note on a report (chunks, server steps, prompts ahead, the client's load) that
+    """Every note on a report (chunks, server steps, prompts ahead, waves, the client's load) that
     applies, in that order: `bench agents` and bench/agents_compare.py print the same ones."""
-    notes = (chunk_note(report), steps_note(report), ahead_note(report), client_note(report))
+    notes = (
+        chunk_note(report),
+        steps_note(report),
+        ahead_note(report),
+        waves_note(report),
+        client_note(report),
+    )
     return [n for n in notes if n is not None]
 
 

@@ -14,8 +14,10 @@ from ds4pool.bench.agents import (
     chunk_note,
     client_note,
     prompts_ahead,
+    resumed_waves,
     sse_data,
     summarize,
+    waves_note,
 )
 
 W = Workload(
@@ -75,6 +77,22 @@ def test_resumed_turns_are_split_by_the_prompts_ahead_of_them() -> None:
     assert note is not None and note.startswith("srv: resumed turns found 1 other prompts (p50)")
     assert "TTFT p50 75 ms for the 2 with at most one ahead, 650 ms for the 1 with more" in note
     assert ahead_note({"label": "srv", "turns": turns[:4]}) is None  # no resumed turn
+
+
+def test_resumed_turns_in_waves() -> None:
+    # eight agents' second turns sent 10 ms apart, each waiting 200 ms: one wave (each sent
+    # before the previous one's first token); a ninth sent after the wave's last first token
+    # is a period of its own; first turns and a turn without a TTFT do not count
+    turns = [_t(i, 1, 1.0 + i * 0.01, 0.2) for i in range(8)]
+    turns += [_t(8, 1, 1.5, 0.05), _t(9, 0, 1.0, 0.3), _t(10, 1, 1.2, None)]
+    waves = resumed_waves(turns)
+    assert [len(w) for w in waves] == [8, 1]
+    note = waves_note({"label": "srv", "turns": turns})
+    assert note == (
+        "srv: 9 resumed turns in 2 busy periods (the largest 8); 8 in 1 waves of 8+, "
+        "each sent within 70 ms (p50)"
+    )
+    assert waves_note({"label": "srv", "turns": turns[-2:]}) is None  # nothing resumed, timed
 
 
 def test_sse_payloads_across_reads() -> None:
