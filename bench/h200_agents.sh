@@ -42,7 +42,9 @@
 # ids restart with each server):
 #   for n in 32 64 16; do SERVERS="ds4pool:tr$n llama-server" AGENTS=$n PHASE=seq LIMIT=180 \
 #     VARIANTS="tr$n=--trace-steps /tmp/tr$n.jsonl" bash bench/h200_agents.sh; done
-# then `python3 bench/trace_report.py /tmp/trN.jsonl --agents <its ds4pool JSON>`. All three
+# then `python3 bench/trace_report.py /tmp/trN.jsonl --agents <its ds4pool JSON>` (its busy
+# periods show the waves the agents arrive in). The same with pauses that vary (agents that
+# do not stay in step): THINK="0.1 0.5" AC=/tmp/acj OUT=/tmp/oj before the same line. All three
 # servers, each N: SERVERS="ds4pool llama-server transformers" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
