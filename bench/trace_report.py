@@ -39,6 +39,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4pool.bench import agents  # noqa: E402
+
 SESSION = re.compile(r"^agent-(\d+)-")
 
 
@@ -194,15 +198,10 @@ SIZES = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 1 << 30))
 def busy_periods(reqs: list[Req]) -> list[list[Req]]:
     """The requests (with a first token) in chains of overlapping arrival → first token
     (their server-side part: `done`), in arrival order."""
-    periods: list[list[Req]] = []
-    end = float("-inf")
-    for req in sorted((r for r in reqs if r.done is not None), key=lambda r: r.arrival):
-        assert req.done is not None
-        if req.arrival > end:
-            periods.append([])
-        periods[-1].append(req)
-        end = max(end, req.done)
-    return periods
+    done = [r for r in reqs if r.done is not None]
+    return agents.busy_periods(
+        done, lambda r: r.arrival, lambda r: r.arrival if r.done is None else r.done
+    )
 
 
 def period_lines(reqs: list[Req]) -> list[str]:

@@ -52,11 +52,11 @@ import random
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ds4pool.errors import Ds4poolError
 from ds4pool.machine import cpu_name, cpu_topology
@@ -689,21 +689,33 @@ def prompts_ahead(turns: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
 WAVE = 8  # resumed turns: a busy period this large is a wave of agents in step
 
 
+T = TypeVar("T")
+
+
+def busy_periods(
+    items: Iterable[T], start: Callable[[T], float], end: Callable[[T], float]
+) -> list[list[T]]:
+    """Items in busy periods, by start: one that starts before the end of any earlier one in
+    its period joins it (chained). The client's resumed turns (send → first token) here, the
+    server's requests (arrival → first token) in bench/trace_report.py."""
+    periods: list[list[T]] = []
+    last = float("-inf")
+    for item in sorted(items, key=start):
+        if start(item) > last:
+            periods.append([])
+        periods[-1].append(item)
+        last = max(last, end(item))
+    return periods
+
+
 def resumed_waves(turns: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The resumed turns in busy periods, by send time: a turn sent before the first token of
-    one sent earlier in its period joins it (chained). Agents whose turns end together
-    arrive as a few large periods; agents spread out as many of one or two."""
-    timed = sorted(
-        (t for t in turns if t.get("ttft") is not None and t["turn"] > 0), key=lambda t: t["start"]
+    """The resumed turns in busy periods of send → first token. Agents whose turns end
+    together arrive as a few large periods; agents spread out as many of one or two."""
+    return busy_periods(
+        (t for t in turns if t.get("ttft") is not None and t["turn"] > 0),
+        lambda t: t["start"],
+        lambda t: t["start"] + t["ttft"],
     )
-    waves: list[list[dict[str, Any]]] = []
-    end = float("-inf")
-    for t in timed:
-        if t["start"] > end:
-            waves.append([])
-        waves[-1].append(t)
-        end = max(end, t["start"] + t["ttft"])
-    return waves
 
 
 def waves_note(report: dict[str, Any]) -> str | None:
