@@ -149,6 +149,18 @@ class BlockIndex:
     def holders(self, block: int) -> int:
         return self.pool.refcount(block) - (1 if block in self._by_block else 0)
 
+    def take_back(self, block: int) -> bool:
+        """Unindex a block whose one holder must write into it and can have no copy: its
+        cached content goes (as an eviction would take it), the holder keeps the block.
+        False (nothing changes) where another holder or a pin needs the indexed content."""
+        e = self._by_block.get(block)
+        if e is None or self.holders(block) != 1 or e.key in self._pinned:
+            return False
+        del self._by_block[block]
+        del self._by_key[e.key]
+        self.pool.free([block])  # the index's own reference
+        return True
+
     # ------------------------------------------------------------ the holders' pool
 
     @property

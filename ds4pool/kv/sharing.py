@@ -114,9 +114,11 @@ class PrefixSharing:
 
     def truncate(self, s: Session, n: int, make_room: Callable[[int], None] | None = None) -> int:
         """Keep a device session's first n tokens of KV; returns how many are kept: n, or n
-        rounded down to a block when its last, partial block is shared and no block can be
-        had for the copy (copy-on-write). `make_room(k)` frees k blocks if it can (the pool
-        demotes idle sessions, as for any other allocation) or raises OutOfBlocksError."""
+        rounded down to a block when its last, partial block is shared, no block can be had
+        for the copy (copy-on-write) and other sessions hold it too. `make_room(k)` frees k
+        blocks if it can (the pool demotes idle sessions, as for any other allocation) or
+        raises OutOfBlocksError. With no block to be had, a block only the index shares is
+        taken out of it and written in place (its old content was a cache entry alone)."""
         table = s.block_table
         assert table is not None
         bs = self.block_size
@@ -125,6 +127,8 @@ class PrefixSharing:
         if not n % bs or not self.index.is_shared(table.blocks[-1]):
             return n
         fresh = self._one_block(make_room)
+        if fresh is None and self.index.take_back(table.blocks[-1]):
+            return n
         if fresh is None:
             n -= n % bs
             table.truncate(self.index, n)

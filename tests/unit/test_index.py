@@ -204,3 +204,21 @@ def test_random_operations_keep_integrity() -> None:
     c.index.evict_all()
     c.check()
     assert c.index.num_free == 24
+
+
+def test_take_back_unindexes_only_a_block_its_one_holder_alone_needs() -> None:
+    c = Checked(8)
+    ids = list(range(8))
+    blocks = c.allocate(2)
+    c.insert("a", ids, blocks)
+    keys = c.index.keys("a", ids)
+    other = c.acquire("a", ids)  # a second holder of both blocks
+    assert not c.index.take_back(blocks[1])  # another holder reads it: nothing changes
+    c.free(other)
+    c.index.pin(keys[:1])
+    assert not c.index.take_back(blocks[0])  # a pin keeps the indexed content
+    assert c.index.take_back(blocks[1])
+    c.check()
+    assert c.index.lookup(keys) == blocks[:1] and not c.index.is_shared(blocks[1])
+    c.free(blocks)  # the taken-back block goes to the free list, not the cache
+    assert c.index.num_cached == 0 and c.index.pool.num_free == 7

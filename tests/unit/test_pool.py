@@ -249,6 +249,42 @@ def test_a_fork_inside_an_indexed_block_on_a_full_device_keeps_every_token(
     s.release()
 
 
+def test_a_fork_with_no_block_to_be_had_writes_in_place_what_only_the_index_shares(
+    loaded: LoadedModel,
+) -> None:
+    """The same fork where nothing can be demoted (the other session is in flight): the
+    diverging block, held by this session and the block index alone, is taken out of the
+    index and written in place; every token of the common start is kept and the old
+    branch's cached third block is what goes."""
+    runner = ModelRunner(loaded, num_blocks=8, block_size=BLOCK)
+    pool = make_pool(loaded, runner)
+    base = ids(48, 1)  # three full blocks
+    s = pool.acquire("t", "a")
+    turn(pool, runner, s, prompt_ids=base)
+    s.offer(base, [], len(base))
+    s.release()
+    busy = pool.acquire("t", "busy")  # five blocks, held: the device is full
+    turn(pool, runner, busy, prompt_ids=ids(80, 2))
+    s = pool.acquire("t", "a")
+    fork = base[:40] + ids(5, 3)  # diverges in block 2 and fits in three blocks
+    got = turn(pool, runner, s, prompt_ids=fork)
+    assert got.num_reused == 40 and got.num_computed == 5
+    pool.check_integrity()
+    s.release()
+    busy.release()
+    fresh_runner = ModelRunner(loaded, num_blocks=8, block_size=BLOCK)
+    fresh = make_pool(loaded, fresh_runner)
+    ref = turn(fresh, fresh_runner, fresh.acquire("t", "ref"), prompt_ids=fork)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    b = pool.acquire("t", "b")  # the first two blocks of the old branch are still indexed
+    assert b.prepare(prompt_ids=[*base, 7]).num_cached == 32
+    b.release()
+    s = pool.acquire("t", "a")  # and the session's KV is its new prompt's
+    assert s.prepare(prompt_ids=[*fork, 7]).num_cached == 45
+    s.release()
+    pool.check_integrity()
+
+
 def test_budgets_hold_and_lru_order(loaded: LoadedModel, tmp_path: Path) -> None:
     runner = ModelRunner(loaded, num_blocks=12, block_size=BLOCK)  # room for ~4 sessions
     per_session = 40 * runner.kv_bytes // (12 * BLOCK)  # 40 tokens of KV
