@@ -41,6 +41,9 @@ class Case:
     pad_tokens: int = 0
     short_context: int = 0  # decode: rows up to this long stay one piece (the backend's 1,024)
     short_piece: int = 0  # decode: ... or pieces of this many keys (DecodeLaunch.short_piece)
+    # prefill: the first `split_decode` sequences (one token each) through paged_decode, the
+    # rest through paged_prefill over views past them (TritonPagedAttention's split_decode_rows)
+    split_decode: int = 0
 
     @property
     def tolerance(self) -> float:
@@ -124,6 +127,29 @@ CASES: dict[str, Case] = {
     ),
     "prefill_mixed_graph_padding_unsplit": Case(
         "prefill", [33, 70], [1, 17], kv_heads=1, pad_rows=1, pad_tokens=15
+    ),
+    # a mixed step split in two launches: decode rows by the decode kernel, the chunks by the
+    # prefill kernel over q / out views from token 3 on (query_offset), with and without split-K
+    "prefill_split_decode_rows": Case(
+        "prefill", [40, 1, 300, 37, 20], [1, 1, 1, 5, 20], split_decode=3, strided_q=True
+    ),
+    "prefill_split_decode_rows_splitk_window": Case(
+        "prefill",
+        [150, 7, 90, 60],
+        [1, 1, 40, 6],
+        kv_heads=1,
+        num_partitions=3,
+        window=50,
+        split_decode=2,
+    ),
+    "prefill_split_decode_rows_graph_padding": Case(
+        "prefill",
+        [40, 90, 150],
+        [1, 1, 24],
+        pad_rows=3,
+        pad_tokens=8,
+        num_partitions=3,
+        split_decode=5,
     ),
     "decode_fp16_int64": Case(
         "decode", [5, 70, 0, 33], partition_size=32, dtype="float16", index64=True
@@ -223,11 +249,9 @@ def _run_case(name: str) -> dict:
     elif c.pad_rows or c.pad_tokens:
         return _run_padded(name, c, case, q_lens)
     else:
-        ta.paged_prefill(
-            q, k_cache, v_cache, case.block_tables, case.query_start, case.context_lens,
-            max(q_lens), case.scale, out, sliding_window=c.window,
-            launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
-            num_partitions=c.num_partitions or 1,
+        _prefill(
+            c, q, k_cache, v_cache, case.block_tables, case.query_start, case.context_lens,
+            max(q_lens), case.scale, out,
         )  # fmt: skip
     ref = reference(case, c.window)
     empty_rows = [i for i, n in enumerate(c.context_lens) if n == 0]
@@ -240,6 +264,29 @@ def _run_case(name: str) -> dict:
         "short_rows_solo_equal": solo if c.kind == "decode" and c.short_context else None,
         "one_piece_equal_whole": whole if c.kind == "decode" and not c.num_partitions else None,
     }
+
+
+def _prefill(
+    c: Case, q: object, k_cache: object, v_cache: object, tables: object, starts: object,
+    lens: object, max_q: int, scale: float, out: object,
+) -> None:  # fmt: skip
+    """paged_prefill over every sequence, or (split_decode) paged_decode over the leading
+    decode rows and paged_prefill over the views past them, as the backend launches them."""
+    from ds4pool.model.kernels import triton_attention as ta
+
+    nd = c.split_decode
+    if nd:
+        assert starts[nd].item() == nd, "the leading rows must have one token each"
+        ta.paged_decode(
+            q[:nd], k_cache, v_cache, tables[:nd], lens[:nd], scale, out[:nd],
+            sliding_window=c.window, partition_size=c.partition_size,
+            launch=ta.DecodeLaunch(block_n=c.block_n),
+        )  # fmt: skip
+    ta.paged_prefill(
+        q[nd:], k_cache, v_cache, tables[nd:], starts[nd:], lens[nd:], max_q, scale, out[nd:],
+        sliding_window=c.window, launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
+        num_partitions=c.num_partitions or 1, query_offset=nd,
+    )  # fmt: skip
 
 
 def _one_piece_rows_equal_whole(c: Case, case: object, q: object, batched: object) -> bool:
@@ -297,7 +344,6 @@ def _run_padded(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
     """The mixed-graph layout: [seqs but the last][pad_rows x (q 1, ctx 0)][last][pad seq]."""
     import torch
 
-    from ds4pool.model.kernels import triton_attention as ta
     from tests.paged_cases import reference, rel_err
 
     n_real = sum(q_lens)
@@ -315,12 +361,10 @@ def _run_padded(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
     for n in lens:
         starts.append(starts[-1] + n)
     out = torch.full_like(q, float("nan"))
-    ta.paged_prefill(
-        q, case.cache[0], case.cache[1], torch.tensor(tables, dtype=torch.int32),
+    _prefill(
+        c, q, case.cache[0], case.cache[1], torch.tensor(tables, dtype=torch.int32),
         torch.tensor(starts, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
-        max(lens), case.scale, out, sliding_window=c.window,
-        launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
-        num_partitions=c.num_partitions or 1,
+        max(lens), case.scale, out,
     )  # fmt: skip
     pad = torch.zeros(out.shape[0], dtype=torch.bool)
     pad[head_tokens : head_tokens + c.pad_rows] = True

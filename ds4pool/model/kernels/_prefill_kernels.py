@@ -60,7 +60,7 @@ def attend_range(
 
 
 # the table width changes from step to step: no divisibility specialisation, no recompile
-@triton.jit(do_not_specialize=["window", "stride_ts", "num_parts", "n_heads"])
+@triton.jit(do_not_specialize=["window", "stride_ts", "num_parts", "n_heads", "q_offset"])
 def prefill_kernel(
     q_ptr,
     k_ptr,
@@ -75,6 +75,7 @@ def prefill_kernel(
     window,
     num_parts,
     n_heads,
+    q_offset,  # query_start's value of q's (and out's) first row
     stride_qt,
     stride_qh,
     stride_kn,
@@ -102,8 +103,8 @@ def prefill_kernel(
     # last (longest, causal) query tiles first, so that short ones fill the tail of the grid
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kv_head = tl.program_id(2)
-    q_begin = tl.load(qstart_ptr + seq)
-    q_len = tl.load(qstart_ptr + seq + 1) - q_begin
+    q_begin = tl.load(qstart_ptr + seq) - q_offset
+    q_len = tl.load(qstart_ptr + seq + 1) - q_offset - q_begin
     if q_tile * BLOCK_Q >= q_len:
         return
     ctx = tl.load(lens_ptr + seq)

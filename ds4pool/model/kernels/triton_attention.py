@@ -285,8 +285,12 @@ def paged_prefill(
     sliding_window: int | None = None,
     launch: PrefillLaunch = DEFAULT_PREFILL,
     num_partitions: int = 1,
+    query_offset: int = 0,
 ) -> None:
     """Causal varlen attention of each sequence's new tokens over its paged context.
+
+    query_offset: query_start's value of q's first row, where q and out are views that start
+    past other sequences' tokens (a mixed step's decode rows, attended by `paged_decode`).
 
     max_query_len must be >= every q_len (it sizes the grid; rows past it are not computed).
     num_partitions > 1 splits every query tile's keys into that many equal pieces, one
@@ -315,7 +319,7 @@ def paged_prefill(
     grid = (n_seqs * parts, math.ceil(max_query_len / block_q), h_kv)
     prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start, context_lens, out, part_out, part_lse,
-        scale * _LOG2E, window, parts, n_heads,
+        scale * _LOG2E, window, parts, n_heads, query_offset,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
