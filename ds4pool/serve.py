@@ -105,8 +105,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g,
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton"],
-        help="paged attention: auto (triton on CUDA, torch elsewhere), torch, triton",
+        choices=["auto", "torch", "triton", "triton-split"],
+        help="paged attention: auto (triton on CUDA, torch elsewhere), torch, triton; "
+        "triton-split: a mixed step's decode rows through the decode kernel (being measured)",
     )
     _flag(
         g,

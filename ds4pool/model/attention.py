@@ -61,6 +61,9 @@ class AttentionMetadata:
     # A fixed split-K factor for the prefill kernel (captured mixed-step graphs); None lets
     # the backend pick one from the step's host-side counts.
     prefill_partitions: int | None = None
+    # Sequences [0, n) have one query token each, tokens [0, n) (a mixed step's decode rows,
+    # the leading ones of an eager step): a backend may attend them with its decode kernel.
+    lead_decode_rows: int = 0
     # What a backend derives from this metadata on a step's first layer and reuses on the
     # others (the CPU decode plan: attention_cpu.plan_decode); a new metadata starts empty.
     derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
@@ -138,6 +141,7 @@ def build_metadata(
     query_start = [0]
     for q in query_lens:
         query_start.append(query_start[-1] + q)
+    lead = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
     return AttentionMetadata(
         positions=tensor(positions),
         slot_mapping=tensor(slots),
@@ -152,6 +156,7 @@ def build_metadata(
         query_start=tensor(query_start, torch.int32),
         max_query_len=max(query_lens, default=1),
         decode_only=not prefills,
+        lead_decode_rows=lead if prefills else 0,
     )
 
 

@@ -61,8 +61,16 @@ class TritonPagedAttention:
     supports_cuda_graphs = True
     index_dtype = torch.int32
 
-    def __init__(self, decode_table: DecodeTable | None = None) -> None:
+    def __init__(
+        self, decode_table: DecodeTable | None = None, split_decode_rows: bool = False
+    ) -> None:
         from ds4pool.model.kernels import triton_attention, triton_decode_configs, triton_fused
+
+        # a mixed step's leading decode rows through the decode kernel and its prompt chunks
+        # through the prefill kernel (two launches), instead of one prefill launch in which
+        # each decode row is a tile of BLOCK_M rows with G live ones (select_backend's
+        # "triton-split"; see docs/BENCHMARKS.md, run K's profile)
+        self.split_decode_rows = split_decode_rows
 
         self._k = triton_attention
         self._store_kv = triton_fused.store_kv
@@ -96,19 +104,24 @@ class TritonPagedAttention:
             return self._decode(q, cache, meta, scale)
         assert meta.query_start is not None
         out = torch.empty_like(q)
+        nd = meta.lead_decode_rows if self.split_decode_rows else 0
+        if nd:  # rows and tokens [0, nd): one query token each
+            tables, lens = meta.block_tables[:nd], meta.context_lens[:nd]
+            self._decode_rows(q[:nd], cache, tables, lens, meta, scale, out[:nd])
         parts = meta.prefill_partitions or self.prefill_partitions(meta, q.shape[1], k.shape[1])
         self._k.paged_prefill(
-            q,
+            q[nd:],
             cache[0],
             cache[1],
-            meta.block_tables,
-            meta.query_start,
-            meta.context_lens,
+            meta.block_tables[nd:],
+            meta.query_start[nd:],
+            meta.context_lens[nd:],
             meta.max_query_len,
             scale,
-            out,
+            out[nd:],
             sliding_window=meta.sliding_window,
             num_partitions=parts,
+            query_offset=nd,
         )
         return out
 
@@ -135,14 +148,29 @@ class TritonPagedAttention:
         prologue: DecodePrologue | None = None,
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        width = meta.block_tables.shape[1] * meta.block_size
+        tables, lens = meta.block_tables, meta.context_lens
+        self._decode_rows(q, cache, tables, lens, meta, scale, out, prologue)
+        return out
+
+    def _decode_rows(
+        self,
+        q: torch.Tensor,  # [B, H, D]
+        cache: torch.Tensor,
+        tables: torch.Tensor,  # [B, width]
+        lens: torch.Tensor,  # [B]
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [B, H, D], written
+        prologue: DecodePrologue | None = None,
+    ) -> None:
+        width = tables.shape[1] * meta.block_size
         launch = self.decode_table.launch(q.shape[0], width)
         self._k.paged_decode(
             q,
             cache[0],
             cache[1],
-            meta.block_tables,
-            meta.context_lens,
+            tables,
+            lens,
             scale,
             out,
             sliding_window=meta.sliding_window,
@@ -151,7 +179,6 @@ class TritonPagedAttention:
             short_context=self._k.SHORT_CONTEXT,
             prologue=prologue,
         )
-        return out
 
     def prefill_partitions(self, meta: AttentionMetadata, heads: int, kv_heads: int) -> int:
         """Split-K factor of an eager step, from its host-side counts: the prompt chunks'

@@ -157,6 +157,7 @@ class MixedBatch:
             max_query_len=shape.chunk_bucket,
             decode_only=False,
             prefill_partitions=partitions,
+            lead_decode_rows=shape.bucket,
         )
 
     @property

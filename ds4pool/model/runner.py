@@ -102,20 +102,28 @@ class Launched:
     device_sampled: torch.Tensor | None = None  # [R] int64 on the device: what a step fed reads
 
 
+BACKENDS = ("auto", "torch", "triton", "triton-split")
+
+
 def select_backend(
     name: str, device: torch.device, kv_kind: str = "kv"
 ) -> AttentionBackend | MLABackend:
     """ "auto": Triton on CUDA where triton imports, else the torch reference; for latent
-    attention (kv_kind "mla") the same choice between its own two backends."""
+    attention (kv_kind "mla") the same choice between its own two backends. "triton-split":
+    Triton with a mixed step's decode rows in the decode kernel (TritonPagedAttention's
+    split_decode_rows; under measurement, not the default yet)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if name not in ("triton", "torch"):
-        raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
-    if name == "triton" and (device.type != "cuda" or not triton_available()):
-        raise ValueError("the triton attention backend needs CUDA and the triton package")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} ({', '.join(BACKENDS)})")
+    triton = name.startswith("triton")
+    if triton and (device.type != "cuda" or not triton_available()):
+        raise ValueError(f"the {name} attention backend needs CUDA and the triton package")
     if kv_kind == "mla":
-        return TritonMLAAttention() if name == "triton" else TorchMLAAttention()
-    return TritonPagedAttention() if name == "triton" else TorchPagedAttention()
+        return TritonMLAAttention() if triton else TorchMLAAttention()
+    if triton:
+        return TritonPagedAttention(split_decode_rows=name == "triton-split")
+    return TorchPagedAttention()
 
 
 class ModelRunner:

@@ -215,3 +215,17 @@ def test_mixed_step_graphs_equal_eager(loaded: LoadedModel) -> None:
     assert len(mixed_keys) >= 4, mixed_keys  # chunk buckets 32, 64, 256 (x2: 130 and 200)
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-2 * float(a.abs().max()))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_split_decode_rows_equal_the_one_launch_path(loaded: LoadedModel, graphs: bool) -> None:
+    """The triton-split backend (a mixed step's leading decode rows through the decode
+    kernel, its chunk through the prefill kernel past them) gives the logits of one prefill
+    launch over every row, eagerly (one leading row: the chunk comes second) and in
+    mixed-step graphs (every decode row of the bucket leads)."""
+    vocab = loaded.config.vocab_size
+    ref = mixed_trace(runner(loaded, "triton", graphs=False), vocab)
+    split = runner(loaded, "triton-split", graphs=graphs)
+    assert getattr(split.backend, "split_decode_rows", False)
+    for a, b in zip(ref, mixed_trace(split, vocab)):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-2 * float(a.abs().max()))

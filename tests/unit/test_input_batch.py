@@ -138,6 +138,11 @@ def test_mixed_batch_lays_out_decodes_chunk_and_padding() -> None:
     assert meta.context_lens.tolist() == [6, 10, 0, 0, 21, 0]
     assert meta.query_start.tolist() == [0, 1, 2, 3, 4, 11, 36]
     assert meta.max_query_len == 32 and meta.prefill_partitions == 2 and not meta.decode_only
+    # decode rows, padding included, lead: a backend may attend them with its decode kernel
+    assert meta.lead_decode_rows == 4 and ref.lead_decode_rows == 2
+    lead = [build_metadata(q, [9] * len(q), [[0] * 9] * len(q), BS, torch.device("cpu"))
+            for q in ([1, 5, 1], [1, 1, 1], [3, 1])]  # fmt: skip
+    assert [m.lead_decode_rows for m in lead] == [1, 0, 0]  # decode-only: no split to make
     assert meta.block_tables.shape == (6, 8)
     assert meta.block_tables[4, :6].tolist() == tables[2].blocks
     assert mixed.logit_rows(shape).tolist() == [10, 1, 0, 0, 0]

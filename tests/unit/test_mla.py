@@ -63,6 +63,8 @@ def test_mla_backend_choice_follows_the_dense_one() -> None:
         select_backend("triton", torch.device("cpu"), "mla")
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         select_backend("flash", torch.device("cpu"), "mla")
+    with pytest.raises(ValueError, match="triton-split attention backend needs CUDA"):
+        select_backend("triton-split", torch.device("cpu"))
 
 
 def test_yarn_rope_is_accepted_for_deepseek_only() -> None:
