@@ -224,7 +224,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument(
-        "--backend", nargs="+", default=["auto"], help="attention backends: auto, torch, triton"
+        "--backend",
+        nargs="+",
+        default=["auto"],
+        help="attention backends: auto, torch, triton, triton-split",
     )
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--roofline", action="store_true", help="measure copy bandwidth (GPU)")

@@ -5,6 +5,7 @@ kernels inside (torch.profiler sees the kernels of graph replays through CUPTI).
     python bench/profile_decode.py --batch 8 --mixed 128 512 --mixed-ctx 8192 16384
     python bench/profile_decode.py --batch 24 --prompt-len 3000 --mixed 243 --mixed-ctx 2900 \
         --mixed-chunks 1 8     # a burst of 8 resumed prompts of the agents workload
+    python bench/profile_decode.py ... --backend triton-split   # decode rows: decode kernel
 
 Prints per batch size: step ms (runner.step, incl. input upload, sampling and the one
 readback), replay ms (the graph alone, CUDA events), kernels per step and the top kernels
@@ -50,6 +51,11 @@ def main() -> None:
         "agents' bursts)",
     )
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument(
+        "--backend",
+        default="triton",
+        help="attention backend (triton-split: mixed steps' decode rows in the decode kernel)",
+    )
     args = ap.parse_args()
     device = torch.device("cuda")
     loaded = load_model(args.model, device, torch.bfloat16)
@@ -57,7 +63,9 @@ def main() -> None:
     long_blocks = -(-(max(args.mixed_ctx) + max(args.mixed, default=0)) // 16) if args.mixed else 0
     long_blocks *= max(args.mixed_chunks)
     blocks = per_seq * max(args.batch) + long_blocks + 1
-    runner = ModelRunner(loaded, num_blocks=blocks, cuda_graphs=not args.no_cuda_graphs)
+    runner = ModelRunner(
+        loaded, num_blocks=blocks, backend=args.backend, cuda_graphs=not args.no_cuda_graphs
+    )
     for b in args.batch:
         pool = BlockPool(runner.num_blocks)
         tables = [BlockTable(16) for _ in range(b)]
