@@ -62,7 +62,10 @@ class TritonPagedAttention:
     index_dtype = torch.int32
 
     def __init__(
-        self, decode_table: DecodeTable | None = None, split_decode_rows: bool = False
+        self,
+        decode_table: DecodeTable | None = None,
+        split_decode_rows: bool = False,
+        num_sms: int | None = None,  # None: the current CUDA device's (tests set it)
     ) -> None:
         from ds4pool.model.kernels import triton_attention, triton_decode_configs, triton_fused
 
@@ -76,9 +79,10 @@ class TritonPagedAttention:
         self._store_kv = triton_fused.store_kv
         # decode launches by (batch bucket, table width): chosen from shapes, graph safe
         self.decode_table = decode_table or triton_decode_configs.DECODE_TABLE
-        self._sms = torch.cuda.get_device_properties(
-            torch.cuda.current_device()
-        ).multi_processor_count
+        if num_sms is None:
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            num_sms = props.multi_processor_count
+        self._sms = num_sms
 
     def partition_size(
         self, batch: int, num_kv_heads: int, width_tokens: int, block_n: int = 64

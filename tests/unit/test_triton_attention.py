@@ -128,6 +128,11 @@ CASES: dict[str, Case] = {
     "prefill_mixed_graph_padding_unsplit": Case(
         "prefill", [33, 70], [1, 17], kv_heads=1, pad_rows=1, pad_tokens=15
     ),
+    # the backend's forward (TritonPagedAttention, its own launch choices) over a mixed step,
+    # split (triton-split) and in one launch: both against the oracle
+    "backend_mixed_step_split": Case(
+        "backend", [40, 300, 1, 150, 37], [1, 1, 1, 20, 37], block_size=16
+    ),
     # a mixed step split in two launches: decode rows by the decode kernel, the chunks by the
     # prefill kernel over q / out views from token 3 on (query_offset), with and without split-K
     "prefill_split_decode_rows": Case(
@@ -246,6 +251,8 @@ def _run_case(name: str) -> dict:
             solo = _short_rows_solo_equal(c, case, q, out)
         if c.num_partitions is None:
             whole = _one_piece_rows_equal_whole(c, case, q, out)
+    elif c.kind == "backend":
+        return _run_backend(name, c, case, q_lens)
     elif c.pad_rows or c.pad_tokens:
         return _run_padded(name, c, case, q_lens)
     else:
@@ -263,6 +270,36 @@ def _run_case(name: str) -> dict:
         "empty_zero": bool((out[empty_rows] == 0).all()) if empty_rows else True,
         "short_rows_solo_equal": solo if c.kind == "decode" and c.short_context else None,
         "one_piece_equal_whole": whole if c.kind == "decode" and not c.num_partitions else None,
+    }
+
+
+def _run_backend(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
+    """TritonPagedAttention.forward over the case as one mixed step, with and without
+    split_decode_rows (metadata from build_metadata, the KV already in the cache)."""
+    import torch
+
+    from ds4pool.model.attention import build_metadata
+    from ds4pool.model.attention_triton import TritonPagedAttention
+    from tests.paged_cases import reference, rel_err
+
+    lens = case.context_lens.tolist()
+    tables = [row[: -(-n // c.block_size)] for row, n in zip(case.block_tables.tolist(), lens)]
+    meta = build_metadata(q_lens, lens, tables, c.block_size, torch.device("cpu"),
+                          index_dtype=torch.int32)  # fmt: skip
+    k = case.q[:, : c.kv_heads]  # its shape only: the K/V are in the cache (kv_stored)
+    ref = reference(case, c.window)
+    rel = {}
+    for split in (False, True):
+        backend = TritonPagedAttention(split_decode_rows=split, num_sms=132)
+        out = backend.forward(case.q, k, k, case.cache, meta, case.scale, kv_stored=True)
+        rel[split] = rel_err(out, ref)
+    return {
+        "name": name,
+        "rel": max(rel.values()),
+        "tolerance": c.tolerance,
+        "finite": True,
+        "empty_zero": True,
+        "lead_decode_rows": meta.lead_decode_rows,
     }
 
 
@@ -392,6 +429,7 @@ def test_kernel_matches_float64_oracle(results: dict[str, dict], name: str) -> N
     assert r["rel"] < r["tolerance"], r
     assert r.get("short_rows_solo_equal") in (None, True), "a short row depends on its batch"
     assert r.get("one_piece_equal_whole") in (None, True), "a one-piece row differs unsplit"
+    assert r.get("lead_decode_rows") in (None, 3), "the backend case's leading decode rows"
 
 
 if __name__ == "__main__":
