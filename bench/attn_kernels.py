@@ -22,6 +22,9 @@ warps, stages, short-row pieces at batch 1-64, contexts 160-8k, graph-sized tabl
    512 over the full width vs a fixed split per row (num_partitions=auto_num_partitions).
 4. Prefill of one 16k prompt and a 2k chunk after 14k cached: TFLOP/s over the causal pairs
    (2 matmuls x 2 flop x pairs x H x D) and % of the matmul rate.
+5. Mixed steps of the agents workload (decoders at ~3k tokens beside prompt chunks) through
+   TritonPagedAttention.forward: one prefill launch (`triton`) vs the decode rows in the
+   decode kernel (`triton-split`), with the largest difference between the two outputs.
 Tables print last; the exit code is 1 when a check failed. Change the variants below.
 """
 
@@ -307,6 +310,56 @@ def prefill_table(shapes: list[tuple[int, int]], matmul: float) -> list[str]:
     return rows
 
 
+# mixed steps of the agents workload (docs/BENCHMARKS.md, run K): decoders at ~3k tokens next
+# to prompt chunks; (decode rows, their context, chunks, chunk tokens, context after the chunk)
+MIXED_SHAPES = [(24, 3000, 1, 243, 3143), (24, 3000, 8, 243, 3143), (24, 3000, 1, 1944, 4844),
+                (64, 3000, 8, 243, 3143)]  # fmt: skip
+
+
+def _mixed_forward(backend: object, case: object, meta: object) -> torch.Tensor:
+    """The backend's forward over a case whose K/V are in the cache already (kv_stored)."""
+    k = case.q[:, :H_KV]  # type: ignore[attr-defined]  # only its shape is read
+    return backend.forward(case.q, k, k, case.cache, meta, case.scale, True)  # type: ignore
+
+
+def mixed_table(shapes: list[tuple[int, int, int, int, int]]) -> tuple[list[str], list[str]]:
+    """A mixed step's attention as the backend runs it: one prefill launch over every row
+    (`triton`) against the decode rows in the decode kernel and the chunks in the prefill
+    kernel past them (`triton-split`), TritonPagedAttention.forward with the backend's own
+    launch choices. Returns the table and the shapes whose two outputs disagree."""
+    from ds4pool.model.attention_triton import TritonPagedAttention
+
+    one, split = TritonPagedAttention(), TritonPagedAttention(split_decode_rows=True)
+    rows = [
+        "| decode rows x context | chunks x tokens (context after) | one launch µs | split µs "
+        "| split / one | max abs diff |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    failures = []
+    for nd, dctx, k, c, cctx in shapes:
+        case = make_case(
+            [1] * nd + [c] * k, [dctx] * nd + [cctx] * k, heads=H, kv_heads=H_KV, head_dim=D,
+            block_size=BS, dtype=DTYPE, device="cuda", seed=nd + k,
+        )  # fmt: skip
+        lens = case.context_lens.tolist()
+        tables = [row[: -(-n // BS)] for row, n in zip(case.block_tables.tolist(), lens)]
+        meta = build_metadata(
+            case.query_lens, lens, tables, BS, torch.device("cuda"), index_dtype=torch.int32
+        )
+        assert meta.lead_decode_rows == nd, meta.lead_decode_rows
+        run_one, run_split = (partial(_mixed_forward, b, case, meta) for b in (one, split))
+        diff = float((run_split().float() - run_one().float()).abs().max())
+        if not diff < 2e-2:
+            failures.append(f"mixed {nd}x{dctx} + {k}x{c}: split differs by {diff}")
+        t_one, t_split = bench_ms(run_one), bench_ms(run_split)
+        rows.append(
+            f"| {nd} x {dctx} | {k} x {c} ({cctx}) | {t_one * 1e3:.0f} | {t_split * 1e3:.0f} "
+            f"| {t_split / t_one:.2f} | {diff:.1e} |"
+        )
+        print(rows[-1], flush=True)
+    return rows, failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
@@ -332,6 +385,8 @@ def main() -> int:
     wide = wide_table_rows(batches[1:] or batches, contexts[1:] or contexts, 131072)
     prefill_shapes = [(2048, 4096)] if args.quick else [(16384, 16384), (2048, 16384)]
     prefill = prefill_table(prefill_shapes, matmul)
+    mixed, mixed_failures = mixed_table(MIXED_SHAPES[:2] if args.quick else MIXED_SHAPES)
+    failures += mixed_failures
     print(f"all done in {time.perf_counter() - t0:.0f} s", flush=True)
 
     print(f"\n## Triton paged attention, {torch.cuda.get_device_name()}, llama3-8b shapes")
@@ -344,6 +399,8 @@ def main() -> int:
     print("\n".join(wide))
     print("\n### prefill (one sequence; causal pairs counted)\n")
     print("\n".join(prefill))
+    print("\n### mixed steps: one prefill launch vs decode rows in the decode kernel (per layer)\n")
+    print("\n".join(mixed))
     print(f"\nchecks: {'all passed' if not failures else 'FAILED: ' + '; '.join(failures)}")
     return 1 if failures else 0
 
