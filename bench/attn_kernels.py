@@ -63,6 +63,10 @@ PREFILL_VARIANTS: dict[str, ta.PrefillLaunch] = {
     "m128 n64 w8 s2": ta.PrefillLaunch(128, 64, 8, 2),
     "m64 n64 w4 s2": ta.PrefillLaunch(64, 64, 4, 2),
     "m128 n128 w8 s2": ta.PrefillLaunch(128, 128, 8, 2),
+    # deeper K/V pipelines (sm_90 compiles: 96 / 161 KB of shared memory); run K: the prefill
+    # kernel was a third of a wave step (19.3 ms of 57.9, docs/BENCHMARKS.md)
+    "m128 n64 w8 s3": ta.PrefillLaunch(128, 64, 8, 3),
+    "m128 n128 w8 s3": ta.PrefillLaunch(128, 128, 8, 3),
 }
 
 
