@@ -243,6 +243,11 @@ class SessionPool:
             s.in_flight = s.copying = False
             self._cond.notify_all()
 
+    def num_free_blocks(self) -> int:
+        """Free and cached (evictable) device blocks: an allocation gets them demoting nobody."""
+        with self._lock:
+            return self.blocks.num_free
+
     def num_available_blocks(self) -> int:
         """Blocks an allocation could get: free ones, cached ones, and those that only idle
         unpinned device sessions hold (demoted on demand)."""
