@@ -26,6 +26,25 @@ class Prepared:
     via_text: bool  # the text extended the session's: its tokens were kept as they are
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading items two token lists share. Compared a slice at a time (in C):
+    the common case, a prompt that extends the session's tokens, is one comparison, where a
+    loop in Python took ~0.3 ms a 3k-token prompt on the step thread."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
 def match_prompt(
     p: PoolParts,
     s: Session,
@@ -40,11 +59,7 @@ def match_prompt(
     if text_only is not None:
         marks.append((len(ids), len(text_only)))  # the prompt's end
     s.text_marks = list(dict.fromkeys(marks))  # a request matched again repeats some
-    common = 0
-    for a, b in zip(ids, s.token_ids):
-        if a != b:
-            break
-        common += 1
+    common = common_prefix_len(ids, s.token_ids)
     # at least one token must be computed to produce the next token's logits
     reuse = max(0, min(common, s.num_computed, len(ids) - 1))
     if reuse < len(s.token_ids):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+from ds4pool.kv.match import common_prefix_len
 from ds4pool.kv.prefix import common_text_prefix, resume_point, valid_marks
 
 
@@ -26,3 +29,29 @@ def test_resume_point_takes_the_last_mark_inside_the_common_text() -> None:
 def test_valid_marks_drop_what_no_longer_fits() -> None:
     assert valid_marks([(2, 4), (4, 8)], 3, 10) == [(2, 4)]
     assert valid_marks([(2, 4)], 3, 0) == []
+
+
+def test_common_prefix_len_is_the_first_difference() -> None:
+    """The slice-wise comparison gives what an item-by-item loop gives: equal lists, one a
+    prefix of the other, a difference at the start, at the end, around its 32-item steps."""
+
+    def loop(a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    rng = random.Random(3)
+    base = [rng.randrange(1000) for _ in range(3000)]
+    cases = [([], []), ([], [1]), (base, base), (base, base[:1234]), (base, [*base, 5])]
+    for at in (0, 1, 31, 32, 33, 63, 64, 1500, 2999):
+        cases.append((base, [*base[:at], -1, *base[at + 1 :]]))
+    for _ in range(300):
+        n = rng.randrange(200)
+        a = [rng.randrange(2) for _ in range(n)]
+        b = a[: rng.randrange(n + 1)] + [rng.randrange(2) for _ in range(rng.randrange(50))]
+        cases.append((a, b))
+    for a, b in cases:
+        assert common_prefix_len(a, b) == common_prefix_len(b, a) == loop(a, b)
