@@ -4,6 +4,7 @@
     python bench/host_step.py --profile 64                 # + cProfile of the N = 64 steps
     python bench/host_step.py --model random:llama3-8b --device cuda --dtype bfloat16 \
         --overlap off on ahead                             # the H200 comparison
+    python bench/host_step.py --wave --batch 32 64 --clock thread   # a wave of resumed turns
 
 The real Scheduler + SessionPool + ModelRunner + Worker of an Engine, driven step by step
 from this thread (the engine's worker thread is stopped), so every phase can be timed and
@@ -212,6 +213,79 @@ def run(
     }
 
 
+def run_wave(loaded: LoadedModel, args: argparse.Namespace, n: int, profile: bool) -> dict:
+    """N sessions on one shared prefix end a turn, then all resume at once with
+    --wave-tokens new tokens each (the agents' waves, docs/BENCHMARKS.md run K): the phases
+    of the steps that carry their prompt chunks, per step."""
+    cfg = EngineConfig(
+        model=loaded.name,
+        kv_device_gb=args.kv_gb,
+        max_batch_size=max(args.batch),
+        cuda_graphs=args.cuda_graphs,
+        graph_capture_s=0.0,
+        prefill_burst=8,
+    )
+    e = Engine(cfg, loaded=loaded)
+    e.worker.stop()
+    worker, sched = e.worker, e.scheduler
+    step = worker.step_once if hasattr(worker, "step_once") else worker._step
+    vocab = min(loaded.tokenizer.vocab_size, loaded.config.vocab_size)
+    prefix = [4 + (i * 7919) % (vocab - 4) for i in range(args.context - OWN_TOKENS)]
+
+    def turn(prompts: list[list[int]], gen: int) -> list[list[int]]:
+        streams = [
+            sched.submit(
+                Request(session_id=f"w{n}-{i}", prompt_ids=p, max_tokens=gen, ignore_eos=True)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        while sched.has_work() or getattr(worker, "in_flight", False):
+            if prof is not None and gen == 1:
+                prof.enable()
+            step()
+            if prof is not None:
+                prof.disable()
+            if gen == 1:  # the wave: count every step
+                phases.close_step(True)
+        outs = []
+        for s in streams:
+            _, ids, final = s.collect(timeout=60)
+            assert final.error is None, final
+            outs.append(ids)
+        return outs
+
+    prof = None
+    firsts = [
+        prefix + [4 + (i * 131 + j * 17) % (vocab - 4) for j in range(OWN_TOKENS)] for i in range(n)
+    ]
+    outs = turn(firsts, 16)
+    phases = Phases(time.thread_time if args.clock == "thread" else time.perf_counter)
+    instrument(e, phases)
+    prof = cProfile.Profile() if profile else None
+    resumed = [
+        p + o + [4 + (i * 37 + j * 11) % (vocab - 4) for j in range(args.wave_tokens)]
+        for i, (p, o) in enumerate(zip(firsts, outs))
+    ]
+    t = time.perf_counter()
+    turn(resumed, 1)
+    wall = time.perf_counter() - t
+    e.close()
+    gc.collect()
+    if prof is not None:
+        print(f"\n## cProfile, a wave of N = {n}\n")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(r"ds4pool/(sched|kv|api)", 20)
+    steps = max(1, phases.counted)
+    return {
+        "steps": phases.counted,
+        "schedule": phases.ms("schedule"),
+        "advance": phases.ms("advance"),
+        "settle": phases.ms("settle"),
+        "host": phases.ms("host"),
+        "wave": wall * 1e3,
+        "per step": wall * 1e3 / steps,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny, or a load_model spec")
@@ -234,6 +308,12 @@ def main() -> None:
         "host and step stay wall time)",
     )
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="cProfile these N")
+    ap.add_argument(
+        "--wave",
+        action="store_true",
+        help="instead: N resumed turns arriving at once (a wave), the host phases of its steps",
+    )
+    ap.add_argument("--wave-tokens", type=int, default=241, help="--wave: new tokens a turn")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -250,6 +330,15 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
         + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
     )
+    if args.wave:
+        cols = ["steps", "schedule", "advance", "settle", "host", "per step", "wave"]
+        print("\n| N | " + " | ".join(cols) + " |")
+        print("|---:|" + "---:|" * len(cols))
+        for n in args.batch:
+            r = run_wave(loaded, args, n, n in args.profile)
+            cells = [f"{r[c]}" if c == "steps" else f"{r[c]:.3f}" for c in cols]
+            print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+        return
     cols = ["schedule", "prep", "forward", "advance", "settle", "host", "step", "tok/s"]
     print("\n| overlap | N | " + " | ".join(cols) + " |")
     print("|---|---:|" + "---:|" * len(cols))
