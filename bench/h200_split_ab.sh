@@ -7,7 +7,8 @@
 # an H200: device time for one session; what matters most runs first).
 # Writes under /tmp/res: kernels.log (bench/attn_kernels.py: the mixed-step table, one
 # launch vs split, and the prefill launches with 3 stages), profile_{triton,triton-split}.log
-# (the wave step), agents logs (ds4pool, ds4pool:split and llama-server at 32 / 64 agents),
+# (the wave step), agents logs (ds4pool, ds4pool:split and llama-server at 32 / 64 agents,
+# the two ds4pool runs traced: bench/trace_report.py TRACE --agents JSON),
 # gpu_tests.log (pytest -m cuda tests/gpu with the 25 slowest tests).
 set -u
 R=${R:-/tmp/res}
@@ -23,10 +24,11 @@ for b in triton triton-split; do
     >$R/profile_$b.log 2>&1
 done
 wait $prep
-for n in 32 64; do
+for n in 32 64; do  # traced: the exposed host time before each step (admission, session 38)
   step "agents $n"
-  SERVERS="ds4pool ds4pool:split llama-server" AGENTS=$n PHASE=seq LIMIT=500 \
-    VARIANTS="split=--attention-backend triton-split" bash bench/h200_agents.sh >$R/agents$n.log 2>&1
+  SERVERS="ds4pool:tr$n ds4pool:split$n llama-server" AGENTS=$n PHASE=seq LIMIT=500 \
+    VARIANTS="tr$n=--trace-steps $R/tr$n.jsonl;split$n=--attention-backend triton-split \
+--trace-steps $R/split$n.jsonl" bash bench/h200_agents.sh >$R/agents$n.log 2>&1
 done
 step "gpu tests"
 PYTHONPATH=/tmp/site timeout 1200 python3 -m pytest -m cuda tests/gpu -q -p no:cacheprovider \
