@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+from ds4pool.kv.match import common_prefix_len
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.tokenizer import Tokenizer
 from tests.integration.conftest import Server
@@ -73,15 +74,6 @@ def prompt_ids(tok: Tokenizer, messages: list[dict]) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def tool_call_of(message: openai.types.chat.ChatCompletionMessage) -> dict:
     """The call as the client sends it back: the structured tool call when the server
     parsed one, else the one written in the text (a client that parses it itself)."""
@@ -125,7 +117,7 @@ def test_tool_round_trip_reuses_the_kv_up_to_the_divergence(
     assert second.choices[0].message.content == "The note is saved in notes.txt."
 
     turn2 = prompt_ids(tok, msgs)
-    common = common_prefix(turn2, held)
+    common = common_prefix_len(turn2, held)
     details = second.usage.prompt_tokens_details
     assert details is not None
     print(
