@@ -273,5 +273,5 @@ _BITS = [1 << b if b < 31 else -(1 << 31) for b in range(32)]
 def forbidden_tokens(words: torch.Tensor, num_vocab: int) -> torch.Tensor:
     """bool [M, V], True where the bitmask words [M, W] clear the token's bit (elementwise
     tensor ops on the words' device: no host sync, no custom kernel to compile)."""
-    bits = torch.tensor(_BITS, dtype=torch.int32).to(words.device, non_blocking=True)
+    bits = upload(torch.tensor(_BITS, dtype=torch.int32), words.device)
     return (words.unsqueeze(-1) & bits).eq(0).flatten(1)[:, :num_vocab]  # [M, W, 32] → [M, V]

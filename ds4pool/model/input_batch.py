@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4pool.model.attention import AttentionMetadata
+from ds4pool.model.device import upload
 from ds4pool.model.kv_layout import KVLayout
 
 IDS, POSITIONS, SLOTS, CONTEXT = range(4)
@@ -100,8 +101,9 @@ class TableRows:
     def upload(self) -> None:
         rows, cols, vals = self._diff
         if vals:
-            diff = torch.tensor([rows, cols, vals], dtype=torch.int64)
-            diff = diff.to(self.device, non_blocking=True)
+            # pinned: a pageable copy would wait for every queued kernel (the step before,
+            # still running when this one is launched ahead)
+            diff = upload(torch.tensor([rows, cols, vals], dtype=torch.int64), self.device)
             self.tables[diff[0], diff[1]] = diff[2].to(self.tables.dtype)
             self.uploaded_block_ids += len(vals)
         self._diff = ([], [], [])
@@ -191,8 +193,7 @@ class InputBatch:
         if rows[-1] == m - 1 and sources == rows:  # the steady case: the same rows in order
             ids[:m].copy_(sampled[:m])
             return
-        index = torch.tensor([rows, sources], dtype=torch.int64)
-        index = index.to(self.device, non_blocking=True)
+        index = upload(torch.tensor([rows, sources], dtype=torch.int64), self.device)
         ids.index_copy_(0, index[0], sampled.index_select(0, index[1]))
 
     def metadata(

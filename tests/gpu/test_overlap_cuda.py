@@ -60,6 +60,32 @@ def test_prompt_step_launch_does_not_wait_for_the_device(loaded: LoadedModel) ->
     assert took < 0.3, f"launch took {took * 1e3:.0f} ms behind ~1 s of queued device work"
 
 
+def test_decode_launch_with_new_blocks_does_not_wait_for_the_device(loaded: LoadedModel) -> None:
+    """A decode step whose block tables grew sends the new ids to the persistent tables
+    (TableRows.upload), as ~1 step in 16 per sequence does: from pinned memory, else the copy
+    waits for every queued kernel and a step launched ahead of the one before it loses its
+    overlap (and a grammar row's or a reordered batch's upload the same)."""
+    runner = ModelRunner(loaded, num_blocks=64)  # decode through CUDA graphs
+    tables = [[2 * i] for i in range(4)]
+    runner.step([SeqInput(list(range(5, 20)), 0, tables[i], seq_id=i + 1, table_epoch=1)
+                 for i in range(4)])  # fmt: skip
+    runner.step([SeqInput([7], 15, tables[i], seq_id=i + 1, table_epoch=1) for i in range(4)])
+    for i, t in enumerate(tables):
+        t.append(2 * i + 1)  # position 16 needs a second block: one new id per row
+    step = [SeqInput([8], 16, tables[i], seq_id=i + 1, table_epoch=1) for i in range(4)]
+    uploaded = runner.batch.uploaded_block_ids
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead of the launch
+    t0 = time.perf_counter()
+    launched = runner.launch(step)
+    took = time.perf_counter() - t0
+    busy = launched.event is not None and not launched.event.query()
+    runner.wait(launched)
+    assert runner.batch.uploaded_block_ids == uploaded + 4  # the diff path ran
+    assert busy, f"launch returned after the device finished ({took * 1e3:.0f} ms)"
+    assert took < 0.3, f"launch took {took * 1e3:.0f} ms behind ~1 s of queued device work"
+
+
 def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
     e = Engine(EngineConfig(kv_device_gb=0.2, cuda_graphs="lazy", overlap=overlap), loaded=loaded)
     assert e.worker.overlap is (overlap in ("on", "ahead"))
