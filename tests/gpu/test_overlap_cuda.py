@@ -49,15 +49,22 @@ def test_prompt_step_launch_does_not_wait_for_the_device(loaded: LoadedModel) ->
     seqs = [SeqInput(token_ids=[5 + i, 6, 7, 8], num_computed=0, block_table=[2 * i, 2 * i + 1])
             for i in range(4)]  # fmt: skip
     ref = runner.step(seqs).sampled  # kernels compiled, results to compare
+    assert launch_behind_device_work(runner, seqs) == ref
+
+
+def launch_behind_device_work(runner: ModelRunner, seqs: list[SeqInput]) -> list[int | None]:
+    """Launch seqs behind ~1 s of queued device work; asserts the launch returned at once,
+    with the device still busy; returns the step's sampled ids."""
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead of the launch
     t0 = time.perf_counter()
     launched = runner.launch(seqs)
     took = time.perf_counter() - t0
     busy = launched.event is not None and not launched.event.query()
-    assert runner.wait(launched).sampled == ref
+    sampled = runner.wait(launched).sampled
     assert busy, f"launch returned after the device finished ({took * 1e3:.0f} ms)"
     assert took < 0.3, f"launch took {took * 1e3:.0f} ms behind ~1 s of queued device work"
+    return sampled
 
 
 def test_decode_launch_with_new_blocks_does_not_wait_for_the_device(loaded: LoadedModel) -> None:
@@ -74,16 +81,8 @@ def test_decode_launch_with_new_blocks_does_not_wait_for_the_device(loaded: Load
         t.append(2 * i + 1)  # position 16 needs a second block: one new id per row
     step = [SeqInput([8], 16, tables[i], seq_id=i + 1, table_epoch=1) for i in range(4)]
     uploaded = runner.batch.uploaded_block_ids
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead of the launch
-    t0 = time.perf_counter()
-    launched = runner.launch(step)
-    took = time.perf_counter() - t0
-    busy = launched.event is not None and not launched.event.query()
-    runner.wait(launched)
+    launch_behind_device_work(runner, step)
     assert runner.batch.uploaded_block_ids == uploaded + 4  # the diff path ran
-    assert busy, f"launch returned after the device finished ({took * 1e3:.0f} ms)"
-    assert took < 0.3, f"launch took {took * 1e3:.0f} ms behind ~1 s of queued device work"
 
 
 def run(loaded: LoadedModel, overlap: str, reqs: list[Request]) -> list[tuple]:
