@@ -12,6 +12,8 @@
 # gpu_tests.log (pytest -m cuda tests/gpu with the 25 slowest tests).
 set -u
 R=${R:-/tmp/res}
+mkdir -p "$R"
+type step >/dev/null 2>&1 || step() { echo "== $* at $(date +%T)" >>"$R/seq.log"; }  # run alone
 PHASE=prep bash bench/h200_agents.sh >$R/prep.log 2>&1 &
 prep=$!
 while [ ! -f /tmp/llama/converting ] && kill -0 $prep 2>/dev/null; do sleep 2; done
