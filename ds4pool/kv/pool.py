@@ -248,11 +248,11 @@ class SessionPool:
         with self._lock:
             return self.blocks.num_free
 
-    def num_available_blocks(self) -> int:
-        """Blocks an allocation could get: free ones, cached ones, and those that only idle
-        unpinned device sessions hold (demoted on demand)."""
+    def num_idle_blocks(self) -> int:
+        """Blocks that only idle unpinned device sessions hold: an allocation gets them by
+        demoting those (a walk of their block tables; `num_free_blocks` first)."""
         with self._lock:
-            n = self.blocks.num_free
+            n = 0
             for s in self._sessions.values():
                 if s.tier is Tier.DEVICE and not s.in_flight and not s.pinned:
                     assert s.block_table is not None

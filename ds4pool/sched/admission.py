@@ -64,7 +64,7 @@ class Room:
         need = self.admission.need(seq)
         if need > self.left and not self._idle_counted:
             self._idle_counted = True  # the blocks idle sessions hold now (demoted on demand)
-            self.left += pool.num_available_blocks() - pool.num_free_blocks()
+            self.left += pool.num_idle_blocks()
         if need > self.left:
             raise OutOfBlocksError(f"waits for {need} KV blocks, {self.left} left")
         self.left -= need
