@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4pool.model.attention import TorchPagedAttention, build_metadata  # noqa: E402
 from ds4pool.model.kernels import triton_attention as ta  # noqa: E402
-from tests.paged_cases import make_case, rel_err, torch_reference  # noqa: E402
+from tests.paged_cases import case_metadata, make_case, rel_err, torch_reference  # noqa: E402
 
 H, H_KV, D, BS = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -345,11 +345,7 @@ def mixed_table(shapes: list[tuple[int, int, int, int, int]]) -> tuple[list[str]
             [1] * nd + [c] * k, [dctx] * nd + [cctx] * k, heads=H, kv_heads=H_KV, head_dim=D,
             block_size=BS, dtype=DTYPE, device="cuda", seed=nd + k,
         )  # fmt: skip
-        lens = case.context_lens.tolist()
-        tables = [row[: -(-n // BS)] for row, n in zip(case.block_tables.tolist(), lens)]
-        meta = build_metadata(
-            case.query_lens, lens, tables, BS, torch.device("cuda"), index_dtype=torch.int32
-        )
+        meta = case_metadata(case, index_dtype=torch.int32)
         assert meta.lead_decode_rows == nd, meta.lead_decode_rows
         run_one, run_split = (partial(_mixed_forward, b, case, meta) for b in (one, split))
         diff = float((run_split().float() - run_one().float()).abs().max())

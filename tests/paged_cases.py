@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4pool.model.attention import TorchPagedAttention, build_metadata
+from ds4pool.model.attention import AttentionMetadata, TorchPagedAttention, build_metadata
 
 
 @dataclass(frozen=True)
@@ -121,13 +121,22 @@ def reference(case: PagedCase, sliding_window: int | None = None) -> torch.Tenso
     return out
 
 
+def case_metadata(
+    case: PagedCase, window: int | None = None, index_dtype: torch.dtype = torch.int64
+) -> AttentionMetadata:
+    """The case as one step's metadata (build_metadata over its tables, cut to each row's
+    blocks), on the case's device."""
+    block_size = case.cache.shape[2]
+    ctx = case.context_lens.tolist()
+    tables = [row[: -(-c // block_size)] for row, c in zip(case.block_tables.tolist(), ctx)]
+    return build_metadata(
+        case.query_lens, ctx, tables, block_size, case.q.device, window, index_dtype
+    )
+
+
 def torch_reference(case: PagedCase, window: int | None = None) -> torch.Tensor:
     """TorchPagedAttention.forward over the case's cache (its K/V write is a no-op rewrite)."""
-    block_size = case.cache.shape[2]
-    tables = case.block_tables.tolist()
-    ctx = case.context_lens.tolist()
-    tables = [row[: -(-c // block_size)] for row, c in zip(tables, ctx)]
-    meta = build_metadata(case.query_lens, ctx, tables, block_size, case.q.device, window)
+    meta = case_metadata(case, window)
     h_kv, d = case.cache.shape[3], case.cache.shape[4]
     k = case.cache[0].reshape(-1, h_kv, d)[meta.slot_mapping]
     v = case.cache[1].reshape(-1, h_kv, d)[meta.slot_mapping]

@@ -278,14 +278,10 @@ def _run_backend(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
     split_decode_rows (metadata from build_metadata, the KV already in the cache)."""
     import torch
 
-    from ds4pool.model.attention import build_metadata
     from ds4pool.model.attention_triton import TritonPagedAttention
-    from tests.paged_cases import reference, rel_err
+    from tests.paged_cases import case_metadata, reference, rel_err
 
-    lens = case.context_lens.tolist()
-    tables = [row[: -(-n // c.block_size)] for row, n in zip(case.block_tables.tolist(), lens)]
-    meta = build_metadata(q_lens, lens, tables, c.block_size, torch.device("cpu"),
-                          index_dtype=torch.int32)  # fmt: skip
+    meta = case_metadata(case, c.window, torch.int32)
     k = case.q[:, : c.kv_heads]  # its shape only: the K/V are in the cache (kv_stored)
     ref = reference(case, c.window)
     rel = {}
