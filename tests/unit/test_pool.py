@@ -219,6 +219,17 @@ def test_token_prefix_reuse_truncates_past_divergence(
     pool.check_integrity()
 
 
+def indexed_session(pool: SessionPool, runner: ModelRunner, key: str) -> list[int]:
+    """An idle session of three full blocks, every one indexed (as the scheduler offers
+    them); returns its prompt."""
+    base = ids(48, 1)
+    s = pool.acquire("t", key)
+    turn(pool, runner, s, prompt_ids=base)
+    s.offer(base, [], len(base))
+    s.release()
+    return base
+
+
 @pytest.mark.parametrize("num_blocks", [8, 64])
 def test_a_fork_inside_an_indexed_block_on_a_full_device_keeps_every_token(
     loaded: LoadedModel, num_blocks: int
@@ -230,11 +241,7 @@ def test_a_fork_inside_an_indexed_block_on_a_full_device_keeps_every_token(
     a roomy device)."""
     runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=BLOCK)
     pool = make_pool(loaded, runner)
-    base = ids(48, 1)  # three full blocks
-    s = pool.acquire("t", "a")
-    turn(pool, runner, s, prompt_ids=base)
-    s.offer(base, [], len(base))  # as the scheduler does: every full block is indexed
-    s.release()
+    base = indexed_session(pool, runner, "a")
     s = pool.acquire("t", "idle")
     turn(pool, runner, s, prompt_ids=ids(80, 2))  # five blocks: with 8, the device is full
     s.release()
@@ -258,11 +265,7 @@ def test_a_fork_with_no_block_to_be_had_writes_in_place_what_only_the_index_shar
     branch's cached third block is what goes."""
     runner = ModelRunner(loaded, num_blocks=8, block_size=BLOCK)
     pool = make_pool(loaded, runner)
-    base = ids(48, 1)  # three full blocks
-    s = pool.acquire("t", "a")
-    turn(pool, runner, s, prompt_ids=base)
-    s.offer(base, [], len(base))
-    s.release()
+    base = indexed_session(pool, runner, "a")
     busy = pool.acquire("t", "busy")  # five blocks, held: the device is full
     turn(pool, runner, busy, prompt_ids=ids(80, 2))
     s = pool.acquire("t", "a")
