@@ -149,7 +149,7 @@ def run(
     for i in range(n):
         if i == 1:  # the first session has computed the prefix: the others share it
             while sched.running and sched.running[0].num_pending > 1:
-                worker.step_once() if hasattr(worker, "step_once") else worker._step()
+                worker.step_once()
         own = [4 + (i * 131 + j * 17) % (vocab - 4) for j in range(OWN_TOKENS)]
         req = Request(
             session_id=f"h{n}-{i}",
@@ -159,7 +159,7 @@ def run(
         )
         streams.append(sched.submit(req))
         if i == 0:
-            worker.step_once() if hasattr(worker, "step_once") else worker._step()
+            worker.step_once()
     phases = Phases(time.thread_time if args.clock == "thread" else time.perf_counter)
     instrument(e, phases)
     prof = cProfile.Profile() if profile else None
@@ -176,7 +176,7 @@ def run(
         )
         if count and prof is not None:
             prof.enable()
-        worker.step_once() if hasattr(worker, "step_once") else worker._step()
+        worker.step_once()
         if prof is not None:
             prof.disable()
         # no device sync here: with overlap a turn returns with the next step in flight, and
@@ -228,7 +228,7 @@ def run_wave(loaded: LoadedModel, args: argparse.Namespace, n: int, profile: boo
     e = Engine(cfg, loaded=loaded)
     e.worker.stop()
     worker, sched = e.worker, e.scheduler
-    step = worker.step_once if hasattr(worker, "step_once") else worker._step
+    step = worker.step_once
     vocab = min(loaded.tokenizer.vocab_size, loaded.config.vocab_size)
     prefix = [4 + (i * 7919) % (vocab - 4) for i in range(args.context - OWN_TOKENS)]
 
