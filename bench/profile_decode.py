@@ -9,7 +9,9 @@ kernels inside (torch.profiler sees the kernels of graph replays through CUPTI).
 
 Prints per batch size: step ms (runner.step, incl. input upload, sampling and the one
 readback), replay ms (the graph alone, CUDA events), kernels per step and the top kernels
-by device time. With --mixed, also mixed steps: the batch's decoders next to one prompt
+by device time. Mixed steps also print their timeline's idle time (inside the steps, from
+the first kernel to the last) and its longest gaps; --trace DIR keeps the chrome traces.
+With --mixed, also mixed steps: the batch's decoders next to one prompt
 chunk (or --mixed-chunks of them) of each size whose cached context ends at each --mixed-ctx
 (a mixed-step CUDA graph where one chunk fits the graphs' buckets, else eager;
 --no-cuda-graphs for eager);
@@ -51,6 +53,7 @@ def main() -> None:
         "agents' bursts)",
     )
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--trace", help="directory for each mixed step's chrome trace (timeline)")
     ap.add_argument(
         "--backend",
         default="triton",
@@ -118,7 +121,7 @@ def main() -> None:
         for chunk in args.mixed:
             for ctx in args.mixed_ctx:
                 for count in args.mixed_chunks:
-                    profile_mixed(runner, pool, seqs(n), chunk, ctx, args.top, count)
+                    profile_mixed(runner, pool, seqs(n), chunk, ctx, args.top, count, args.trace)
         for t in tables:
             t.release(pool)
 
@@ -136,6 +139,45 @@ def kernel_table(prof: profile, steps: int, top: int) -> tuple[float, float]:
     return kernels, device_ms
 
 
+def idle_gaps(
+    kernels: list[tuple[float, float, str]], top: int
+) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """Device kernels as (start, end, name) in µs -> (span from the first kernel's start to
+    the last one's end, the time inside it no kernel ran, the `top` longest gaps as
+    (µs, kernel before, kernel after))."""
+    if not kernels:
+        return 0.0, 0.0, []
+    kernels = sorted(kernels)
+    idle, gaps, end, before = 0.0, [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            idle += start - end
+            gaps.append((start - end, before, name))
+        if stop >= end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: g[0], reverse=True)
+    return end - kernels[0][0], idle, gaps[:top]
+
+
+def gap_table(prof: profile, steps: int, top: int) -> None:
+    """Where the device waited inside the profiled steps (the largest gap is usually the one
+    between two steps: the sampled tokens' readback and the next step's host preparation)."""
+    kernels = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA"
+    ]
+    span, idle, gaps = idle_gaps(kernels, top)
+    print(
+        f"timeline: {span / steps / 1e3:.2f} ms per step from first to last kernel, "
+        f"{idle / steps / 1e3:.2f} ms of it idle"
+    )
+    print("| gap µs | after kernel | before kernel |")
+    print("|---:|---|---|")
+    for gap, before, after in gaps:
+        print(f"| {gap:.0f} | {before[:50]} | {after[:50]} |")
+
+
 def profile_mixed(
     runner: ModelRunner,
     pool: BlockPool,
@@ -144,6 +186,7 @@ def profile_mixed(
     ctx: int,
     top: int,
     count: int = 1,
+    trace: str | None = None,
 ) -> None:
     """One mixed step: the decoders plus `count` prompt chunks of `chunk` tokens at `ctx`
     (one: a mixed-step graph where it fits; several run eagerly)."""
@@ -166,6 +209,9 @@ def profile_mixed(
     what = f"a {chunk}-token chunk" if count == 1 else f"{count} chunks of {chunk} tokens"
     print(f"\n## mixed: {len(decoders)} decoders + {what} at context {ctx}")
     kernels, device_ms = kernel_table(prof, 2, top)
+    gap_table(prof, 2, top)
+    if trace:
+        prof.export_chrome_trace(f"{trace}/mixed_{len(decoders)}_{count}x{chunk}.json")
     host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
     host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     print("| host op | calls/step | self µs/step |")
