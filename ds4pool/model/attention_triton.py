@@ -25,6 +25,7 @@ import torch
 from ds4pool.model.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels import triton, which a CPU-only install may lack
+    from ds4pool.model.kernels.triton_attention import PrefillLaunch
     from ds4pool.model.kernels.triton_decode_configs import DecodeTable
     from ds4pool.model.kernels.triton_prologue import DecodePrologue
 
@@ -66,6 +67,7 @@ class TritonPagedAttention:
         decode_table: DecodeTable | None = None,
         split_decode_rows: bool = False,
         num_sms: int | None = None,  # None: the current CUDA device's (tests set it)
+        prefill_launch: PrefillLaunch | None = None,  # None: the current device's
     ) -> None:
         from ds4pool.model.kernels import triton_attention, triton_decode_configs, triton_fused
 
@@ -79,10 +81,14 @@ class TritonPagedAttention:
         self._store_kv = triton_fused.store_kv
         # decode launches by (batch bucket, table width): chosen from shapes, graph safe
         self.decode_table = decode_table or triton_decode_configs.DECODE_TABLE
-        if num_sms is None:
+        if num_sms is None or prefill_launch is None:
             props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            num_sms = props.multi_processor_count
+            num_sms = num_sms or props.multi_processor_count
+            shared = getattr(props, "shared_memory_per_block_optin", 0)
+            capability = (props.major, props.minor)
+            prefill_launch = prefill_launch or triton_attention.prefill_launch(capability, shared)
         self._sms = num_sms
+        self.prefill_launch = prefill_launch
 
     def partition_size(
         self, batch: int, num_kv_heads: int, width_tokens: int, block_n: int = 64
@@ -126,6 +132,7 @@ class TritonPagedAttention:
             sliding_window=meta.sliding_window,
             num_partitions=parts,
             query_offset=nd,
+            launch=self.prefill_launch,
         )
         return out
 
@@ -198,7 +205,7 @@ class TritonPagedAttention:
 
     def prefill_tile_tokens(self, max_query_len: int, heads: int, kv_heads: int) -> int:
         group = heads // kv_heads
-        return self._k.prefill_block_m(max_query_len, group) // group
+        return self._k.prefill_block_m(max_query_len, group, self.prefill_launch) // group
 
     def graph_prefill_partitions(
         self, chunk_tokens: int, heads: int, kv_heads: int, max_context: int

@@ -119,6 +119,19 @@ CASES: dict[str, Case] = {
     "prefill_split_window": Case(
         "prefill", [200, 90, 12], [30, 1, 12], kv_heads=1, block_n=32, window=50, num_partitions=4
     ),
+    # DEEP_PREFILL's tiles (128 rows x 128 keys, Hopper's default): causal edges, a window
+    # and split-K inside one key tile
+    "prefill_deep_tiles": Case("prefill", [300, 140, 1], [70, 140, 1], block_m=128, block_n=128),
+    "prefill_deep_tiles_window_split": Case(
+        "prefill",
+        [400, 50],
+        [90, 1],
+        kv_heads=1,
+        block_m=128,
+        block_n=128,
+        window=150,
+        num_partitions=3,
+    ),
     "prefill_split_fp16": Case(
         "prefill", [120, 9], [10, 1], dtype="float16", num_partitions=2, strided_q=True
     ),
@@ -279,16 +292,20 @@ def _run_backend(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
     import torch
 
     from ds4pool.model.attention_triton import TritonPagedAttention
+    from ds4pool.model.kernels import triton_attention as ta
     from tests.paged_cases import case_metadata, reference, rel_err
 
     meta = case_metadata(case, c.window, torch.int32)
     k = case.q[:, : c.kv_heads]  # its shape only: the K/V are in the cache (kv_stored)
     ref = reference(case, c.window)
     rel = {}
-    for split in (False, True):
-        backend = TritonPagedAttention(split_decode_rows=split, num_sms=132)
-        out = backend.forward(case.q, k, k, case.cache, meta, case.scale, kv_stored=True)
-        rel[split] = rel_err(out, ref)
+    for split in (False, True):  # and both prefill launches a device may get
+        for launch in (ta.DEFAULT_PREFILL, ta.DEEP_PREFILL):
+            backend = TritonPagedAttention(
+                split_decode_rows=split, num_sms=132, prefill_launch=launch
+            )
+            out = backend.forward(case.q, k, k, case.cache, meta, case.scale, kv_stored=True)
+            rel[split, launch] = rel_err(out, ref)
     return {
         "name": name,
         "rel": max(rel.values()),

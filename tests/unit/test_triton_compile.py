@@ -140,6 +140,26 @@ def test_prefill_compiles_pipelined(window: bool, split: bool) -> None:
     assert kernel.asm["ttgir"].count("warp_group_dot") > 0, "no Hopper wgmma"
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_the_deep_prefill_launch_fits_where_it_is_chosen(split: bool) -> None:
+    """DEEP_PREFILL (Hopper's prefill launch) compiles for sm_90, pipelined, within the
+    shared memory `prefill_launch` asks a device for before choosing it."""
+    launch = ta.DEEP_PREFILL
+    consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=launch.block_m,
+                  BLOCK_Q=launch.block_m // 4, BLOCK_N=launch.block_n, USE_WINDOW=False,
+                  PRECISION="tf32", SPLIT=split)  # fmt: skip
+    kernel = compile_sm90(pk.prefill_kernel, consts, launch.num_warps, launch.num_stages)
+    assert kernel.metadata.shared <= ta.DEEP_PREFILL_SHARED, kernel.metadata.shared
+    assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
+
+
+def test_prefill_launch_by_device() -> None:
+    assert ta.prefill_launch((9, 0), 227 * 1024) == ta.DEEP_PREFILL  # H100 / H200
+    assert ta.prefill_launch((8, 0), 163 * 1024) == ta.DEFAULT_PREFILL  # A100: not measured
+    assert ta.prefill_launch((12, 0), 99 * 1024) == ta.DEFAULT_PREFILL  # too little memory
+    assert ta.prefill_launch((9, 0), 0) == ta.DEFAULT_PREFILL  # a torch without the field
+
+
 def test_prefill_compiles_for_decode_rows() -> None:
     """max_query_len 1: paged_prefill shrinks the tile to 16 rows (G=4 heads of one token)."""
     consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=64,

@@ -111,6 +111,22 @@ class PrefillLaunch:
 
 DEFAULT_DECODE = DecodeLaunch()
 DEFAULT_PREFILL = PrefillLaunch()
+# 128-key tiles through a 3-deep K/V pipeline: 161 KB of shared memory a program on sm_90
+# (tests/unit/test_triton_compile.py checks the figure), 1.25-1.31x faster than
+# DEFAULT_PREFILL on the H200 (docs/BENCHMARKS.md, run L: a 16k prompt 5.54 vs 6.92 ms a layer)
+DEEP_PREFILL = PrefillLaunch(block_n=128, num_stages=3)
+DEEP_PREFILL_SHARED = 164_864  # bytes
+
+
+def prefill_launch(capability: tuple[int, int], shared_optin: int) -> PrefillLaunch:
+    """The prefill launch for a device: DEEP_PREFILL on Hopper and later where a program may
+    use its shared memory (measured there), DEFAULT_PREFILL elsewhere (Ampere and consumer
+    cards have less; their figures are not measured)."""
+    if capability >= (9, 0) and shared_optin >= DEEP_PREFILL_SHARED:
+        return DEEP_PREFILL
+    return DEFAULT_PREFILL
+
+
 DEFAULT_PARTITION = 512
 # The backend's `short_context`: a decode row of at most this many tokens is never split.
 SHORT_CONTEXT = 1024
