@@ -165,12 +165,13 @@ def test_chunks_next_to_decoders_follow_their_work(loaded: LoadedModel, ratio: f
 
 
 def burst_script(
-    loaded: LoadedModel, burst: int
+    loaded: LoadedModel, burst: int, queued: list[int] | None = None
 ) -> tuple[list[list[tuple[str, int, int]]], list[int]]:
     """One decoder, then a 400-token prompt and five 40-token prompts arriving together,
     under a 64-token / 96-unit cap (K 256). This thread drives the steps; returns every
     step's rows as (session, tokens before the row, tokens in it), and the burst counts the
-    scheduler reported (the metric's)."""
+    scheduler reported (the metric's). `queued`: the requests left in the queue after each
+    build."""
     cfg = capped(max_batch_tokens=512, prefill_burst=burst, overlap="off")
     e = Engine(cfg, loaded=loaded)
     e.worker.stop()
@@ -181,6 +182,8 @@ def burst_script(
     def record():  # noqa: ANN202 - Step | None
         step = build()
         if step is not None:
+            if queued is not None:
+                queued.append(len(sched.queue))
             steps.append(
                 [
                     (seq.req.session_id or "", inp.num_computed, n)
@@ -217,6 +220,8 @@ def burst_script(
             for i in range(5)
         ]
         steps.clear()
+        if queued is not None:
+            queued.clear()
         for _ in range(30):  # the decoder goes on; the prompts need ~12 steps at most
             e.worker.step_once()
         for s in (long_, *shorts):
@@ -262,3 +267,18 @@ def test_a_burst_of_short_prompts_starts_together_and_a_long_one_keeps_its_pace(
         assert any(sid == "dec" for sid, _, _ in rows)  # the decoder is in every step
         assert sum(n for _, n in prompt) <= 3 * TOKEN_CAP
         assert sum(cost.cost(start, n) for start, n in prompt) <= 3 * BUDGET
+
+
+def test_a_build_admits_no_prompt_it_has_no_room_for(loaded: LoadedModel) -> None:
+    """Next to a decoder, once a prompt finds no room left in the caps and burst room, the
+    prompts behind it stay queued (their session matching would only delay the launch;
+    run L: a wave of resumed turns) and are admitted by the builds that have room for them."""
+    queued: list[int] = []
+    steps, counted = burst_script(loaded, 3, queued)
+    assert counted == [3, 2]  # the same steps as when all of them were admitted at once
+    first = {sid for sid, _, _ in steps[0]}
+    assert first == {"dec", "long", "s0", "s1", "s2"}
+    # s3 is admitted and finds no room (its size is known once its session is matched),
+    # s4 behind it is not admitted by the first build
+    assert queued[0] == 1
+    assert {sid for sid, _, _ in steps[1]} >= {"s3", "s4"}
