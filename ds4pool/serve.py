@@ -107,7 +107,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "torch", "triton", "triton-split"],
         help="paged attention: auto (triton on CUDA, torch elsewhere), torch, triton; "
-        "triton-split: a mixed step's decode rows through the decode kernel (being measured)",
+        "triton-split: a mixed step's decode rows through the decode kernel (opt-in)",
     )
     _flag(
         g,

@@ -111,7 +111,7 @@ def select_backend(
     """ "auto": Triton on CUDA where triton imports, else the torch reference; for latent
     attention (kv_kind "mla") the same choice between its own two backends. "triton-split":
     Triton with a mixed step's decode rows in the decode kernel (TritonPagedAttention's
-    split_decode_rows; under measurement, not the default yet)."""
+    split_decode_rows; opt-in: no end-to-end gain measured, docs/BENCHMARKS.md run L)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() else "torch"
     if name not in BACKENDS:
