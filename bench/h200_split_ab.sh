@@ -1,23 +1,24 @@
 #!/bin/bash
-# Issue 10's next device sequence (after run K, session 38): does `triton-split` (a mixed
-# step's decode rows in the decode kernel) pay, and do the GPU tests pass in full. Runs as
-# the SEQ of bench/device_bg.sh, so that it outlives each 600 s call:
-#   bash bench/device_bg.sh bench/h200_split_ab.sh 540 /tmp/ac /tmp/acj   (carry .whl .llama)
+# Issue 10's device sequence. Run L (session 39, docs/BENCHMARKS.md) ran it at e44cce4:
+# triton-split measured (stays opt-in), the wave step's timeline, the 3-stage prefill
+# launches. Now the next lease's: the prefill launch Hopper gets since then (DEEP_PREFILL)
+# against the old one in the wave step's profile, side by side; the agents at 64 / 32
+# (traced: the admission change's host time before a wave's steps, against run L's trace;
+# llama-server's figures are run K's); the GPU tests in full last. Runs as the SEQ of
+# bench/device_bg.sh, so that it outlives each 600 s call:
+#   bash bench/device_bg.sh bench/h200_split_ab.sh 540 /tmp/ac   (carry .whl .llama)
 # and again at once after each call returns, until its log says "done" (what matters most
 # runs first).
-# Writes under /tmp/res: kernels.log (bench/attn_kernels.py: the mixed-step table, one
-# launch vs split, and the prefill launches with 3 stages), profile_{triton,triton-split}.log
-# (the wave step, its timeline's gaps; chrome traces in trace_*/), gpu_new.log (the GPU
-# tests added in session 38), agents logs (ds4pool and ds4pool:split at 64 / 32 agents,
-# traced: bench/trace_report.py TRACE --agents JSON), gpu_tests.log (pytest -m cuda
-# tests/gpu with the 25 slowest tests).
+# Writes under /tmp/res: kernels.log (bench/attn_kernels.py), profile_{default,deep}.log
+# (the wave step, its timeline's gaps; chrome traces in trace_*/), agents logs (ds4pool at
+# 64 / 32 agents, traced: bench/trace_report.py TRACE --agents JSON), gpu_tests.log (pytest
+# -m cuda tests/gpu with the 25 slowest tests).
 set -u
 R=${R:-/tmp/res}
 mkdir -p "$R"
 type step >/dev/null 2>&1 || step() { echo "== $* at $(date +%T)" >>"$R/seq.log"; }  # run alone
-# The order fits ~20 min of a lease: what decides triton-split first, then the agents without
-# llama-server (its figures at 32 / 64 agents are run K's, same workload, an H200: no llama.cpp
-# build), the rest of the GPU tests last.
+# ~8 min before the GPU tests: no llama.cpp build (llama-server's figures at 32 / 64 agents
+# on this workload are run K's, an H200)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
@@ -27,22 +28,17 @@ step model
 step kernels
 timeout 300 python3 bench/attn_kernels.py >$R/kernels.log 2>&1
 mkdir -p $R/trace
-for b in triton triton-split; do
-  step "profile $b"
+for pl in default deep; do  # the prefill launch, side by side (fabbba6 made deep Hopper's)
+  step "profile $pl"
   timeout 200 python3 bench/profile_decode.py --model /tmp/m8b --batch 24 --prompt-len 3000 \
-    --mixed 243 --mixed-ctx 2900 --mixed-chunks 1 8 --top 10 --backend $b --trace $R/trace \
-    >$R/profile_$b.log 2>&1
-  gzip -f $R/trace/*.json && mkdir -p $R/trace_$b && mv $R/trace/*.gz $R/trace_$b/
+    --mixed 243 --mixed-ctx 2900 --mixed-chunks 1 8 --top 10 --prefill-launch $pl \
+    --trace $R/trace >$R/profile_$pl.log 2>&1
+  gzip -f $R/trace/*.json && mkdir -p $R/trace_$pl && mv $R/trace/*.gz $R/trace_$pl/
 done
-step "gpu tests: the ones not run before"
-timeout 300 python3 -m pytest -m cuda tests/gpu/test_fast_path_cuda.py \
-  tests/gpu/test_overlap_cuda.py -q -p no:cacheprovider --durations=10 >$R/gpu_new.log 2>&1
-step "gpu new rc $?"
-for n in 64 32; do  # traced: the exposed host time before each step (admission, session 38)
+for n in 64 32; do  # traced: the host time before each step (admission, 6bf6a75)
   step "agents $n"
-  SERVERS="ds4pool:tr$n ds4pool:split$n" AGENTS=$n PHASE=seq LIMIT=400 \
-    VARIANTS="tr$n=--trace-steps $R/tr$n.jsonl;split$n=--attention-backend triton-split \
---trace-steps $R/split$n.jsonl" bash bench/h200_agents.sh >$R/agents$n.log 2>&1
+  SERVERS="ds4pool:tr$n" AGENTS=$n PHASE=seq LIMIT=300 \
+    VARIANTS="tr$n=--trace-steps $R/tr$n.jsonl" bash bench/h200_agents.sh >$R/agents$n.log 2>&1
 done
 step "gpu tests, all"
 timeout 1200 python3 -m pytest -m cuda tests/gpu -q -p no:cacheprovider --durations=25 \

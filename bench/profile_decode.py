@@ -55,6 +55,13 @@ def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--trace", help="directory for each mixed step's chrome trace (timeline)")
     ap.add_argument(
+        "--prefill-launch",
+        choices=["device", "default", "deep"],
+        default="device",
+        help="the Triton prefill launch: the device's choice (prefill_launch), or force "
+        "DEFAULT_PREFILL (64-key tiles, 2 stages) / DEEP_PREFILL (128-key, 3 stages) for an A/B",
+    )
+    ap.add_argument(
         "--backend",
         default="triton",
         help="attention backend (triton-split: mixed steps' decode rows in the decode kernel)",
@@ -69,6 +76,12 @@ def main() -> None:
     runner = ModelRunner(
         loaded, num_blocks=blocks, backend=args.backend, cuda_graphs=not args.no_cuda_graphs
     )
+    if args.prefill_launch != "device":  # before any graph is captured
+        from ds4pool.model.kernels import triton_attention as ta
+
+        launch = ta.DEEP_PREFILL if args.prefill_launch == "deep" else ta.DEFAULT_PREFILL
+        runner.backend.prefill_launch = launch  # type: ignore[union-attr]
+    print(f"prefill launch: {getattr(runner.backend, 'prefill_launch', None)}")
     for b in args.batch:
         pool = BlockPool(runner.num_blocks)
         tables = [BlockTable(16) for _ in range(b)]
