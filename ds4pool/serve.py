@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -427,6 +428,11 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     app = create_app(cfg, engine, metrics=metrics, own_engine=True)
+    freeze_startup_objects()
+    logging.getLogger("ds4pool.serve").info(
+        "%d start-up objects moved out of the garbage collector's reach (gc.freeze)",
+        gc.get_freeze_count(),
+    )
     server = DrainingServer(
         uvicorn.Config(
             app,
@@ -440,6 +446,16 @@ def run_serve(args: argparse.Namespace) -> int:
     with _sigterm_is_a_clean_stop():
         server.run(sockets=[sock])
     return 0 if server.started else 1  # uvicorn logged why the lifespan did not start
+
+
+def freeze_startup_objects() -> None:
+    """What the start-up made (the model's modules, the tokenizer, the app's routes) lives as
+    long as the server: collect the start-up's garbage, then move the rest out of the garbage
+    collector's generations (`gc.freeze`), so that a full collection while serving walks only
+    what serving made. The collector stops every thread, the step thread included, for a
+    full walk of the heap (bench/gc_pause.py; docs/BENCHMARKS.md)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _start_engine(cfg: Any, metrics: Any) -> Any:
