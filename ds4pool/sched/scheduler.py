@@ -292,8 +292,8 @@ class Scheduler:
             if not n:
                 # no room left in this step for its prompt: the requests behind it wait for
                 # the next build, whose step has room (admitting them now would only put
-                # their session matching, ~0.5 ms each, before this step's launch: a wave
-                # of 32 resumed turns held an H200's first wave step 15-35 ms, run L)
+                # their session matching, 0.2-1 ms each, before this step's launch: a
+                # wave of 32 turns held an H200's first wave step 15-35 ms, run L)
                 return
             if self._reserve(seq, n, step):
                 self._add(step, seq, n)
