@@ -21,7 +21,8 @@ turn is matched to its request (X-Session-Id `agent-<i>-<seed>`, turns in order)
              came before the handler (reading and routing the request)
 
 Prints p50 / p90 in ms of each part, first turns and resumed turns apart, then the steps: how
-many, their length by the number of prompt chunks they carried, and the prompts' busy
+many, their length by the number of prompt chunks they carried, the slow ones (over 3x
+the median of their kind, with the idle time before them), and the prompts' busy
 periods: requests whose time from arrival to first token overlaps, chained (a request that
 arrives before the period's last first token joins it). Agents that line up (every turn
 ending in the same few steps, the same pause) come as a few large periods whose arrivals
@@ -192,6 +193,42 @@ def step_lines(steps: list[dict]) -> list[str]:
     return lines
 
 
+def slow_steps(steps: list[dict], factor: float = 3.0, top: int = 8) -> list[str]:
+    """Steps that took more than `factor` x the median of the steps with as many prompt
+    chunks (as `step_lines` groups them; a compile, a capture, a collection...), longest
+    first, with the idle time before them (the previous step's results to this launch; 0
+    for a step launched ahead) and the host time the trace counted: run L's 1.1 s steps."""
+
+    def kind(s: dict) -> int:
+        return min(len(s["chunks"]), 9)
+
+    dur = [(s["t1"] - s["t0"]) * 1e3 for s in steps]
+    by_kind: dict[int, list[float]] = {}
+    for s, d in zip(steps, dur):
+        by_kind.setdefault(kind(s), []).append(d)
+    slow = []
+    for i, (s, d) in enumerate(zip(steps, dur)):
+        usual = statistics.median(by_kind[kind(s)])
+        if d > factor * usual and len(by_kind[kind(s)]) > 1:
+            idle = max(0.0, (s["t0"] - steps[i - 1]["t1"]) * 1e3) if i else 0.0
+            slow.append((d, usual, idle, s))
+    slow.sort(key=lambda x: x[0], reverse=True)
+    t00 = steps[0]["t0"] if steps else 0.0
+    lines = [
+        f"{len(slow)} steps took over {factor:g}x the median of the steps with as many prompt "
+        "chunks",
+        "| at (s) | ms | their median ms | decode rows | prompt chunks | idle before (ms) | "
+        "host (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for d, usual, idle, s in slow[:top]:
+        lines.append(
+            f"| {s['t0'] - t00:.3f} | {d:,.1f} | {usual:,.1f} | {s['decode']} | "
+            f"{len(s['chunks'])} | {idle:,.1f} | {s['host'] * 1e3:,.1f} |"
+        )
+    return lines
+
+
 SIZES = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 1 << 30))
 
 
@@ -251,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(groups)))
     print()
     print("\n".join(step_lines(steps)))
+    print()
+    print("\n".join(slow_steps(steps)))
     print()
     print("\n".join(period_lines(done)))
     return 0
