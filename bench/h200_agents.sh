@@ -45,9 +45,9 @@
 # then `python3 bench/trace_report.py /tmp/trN.jsonl --agents <its ds4pool JSON>` (its busy
 # periods show the waves the agents arrive in). The same with pauses that vary (agents that
 # do not stay in step): THINK="0.1 0.5" AC=/tmp/acj OUT=/tmp/oj before the same line. Run K
-# (session 38, an H200) ran exactly these at 16 / 32 / 64 (docs/BENCHMARKS.md); next, the
-# mixed steps' decode rows in the decode kernel beside the default: SERVERS="ds4pool
-# ds4pool:split llama-server" VARIANTS="split=--attention-backend triton-split". All three
+# (session 38, an H200) ran exactly these at 16 / 32 / 64 (docs/BENCHMARKS.md); run L
+# (session 39) the mixed steps' decode rows in the decode kernel beside the default:
+# SERVERS="ds4pool:trN ds4pool:splitN" VARIANTS="splitN=--attention-backend triton-split". All three
 # servers, each N: SERVERS="ds4pool llama-server transformers" PHASE=run bash bench/h200_agents.sh
 set -u
 PHASE=${PHASE:-run}
