@@ -37,8 +37,14 @@ for pl in default deep; do  # the prefill launch, side by side (fabbba6 made dee
 done
 for n in 64 32; do  # traced: the host time before each step (admission, 6bf6a75)
   step "agents $n"
+  # the SM clock every 50 ms: run L's first step after a ~0.6 s idle took 155-296 ms where
+  # the same shape took 40 (the clocks dropping while idle? trace_report's slow steps)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw --format=csv -lms 50 \
+    >$R/clocks$n.csv 2>&1 &
+  smi=$!
   SERVERS="ds4pool:tr$n" AGENTS=$n PHASE=seq LIMIT=300 \
     VARIANTS="tr$n=--trace-steps $R/tr$n.jsonl" bash bench/h200_agents.sh >$R/agents$n.log 2>&1
+  kill $smi 2>/dev/null
 done
 step "gpu tests, all"
 timeout 1200 python3 -m pytest -m cuda tests/gpu -q -p no:cacheprovider --durations=25 \
