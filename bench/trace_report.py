@@ -174,10 +174,15 @@ def table(groups: dict[str, list[Req]]) -> list[str]:
     return lines
 
 
+def chunk_group(step: dict) -> int:
+    """The steps' grouping by the prompt chunks they carried: 0 .. 8, and 9 for 9 or more."""
+    return min(len(step["chunks"]), 9)
+
+
 def step_lines(steps: list[dict]) -> list[str]:
     by_chunks: dict[int, list[tuple[float, float | None]]] = {}
     for s in steps:
-        k = min(len(s["chunks"]), 9)
+        k = chunk_group(s)
         ret = (s["ret"] - s["t0"]) * 1e3 if "ret" in s else None
         by_chunks.setdefault(k, []).append(((s["t1"] - s["t0"]) * 1e3, ret))
     lines = [
@@ -198,18 +203,15 @@ def slow_steps(steps: list[dict], factor: float = 3.0, top: int = 8) -> list[str
     chunks (as `step_lines` groups them; a compile, a capture, a collection...), longest
     first, with the idle time before them (the previous step's results to this launch; 0
     for a step launched ahead) and the host time the trace counted: run L's 1.1 s steps."""
-
-    def kind(s: dict) -> int:
-        return min(len(s["chunks"]), 9)
-
     dur = [(s["t1"] - s["t0"]) * 1e3 for s in steps]
-    by_kind: dict[int, list[float]] = {}
+    by_group: dict[int, list[float]] = {}
     for s, d in zip(steps, dur):
-        by_kind.setdefault(kind(s), []).append(d)
+        by_group.setdefault(chunk_group(s), []).append(d)
+    median = {g: statistics.median(v) for g, v in by_group.items() if len(v) > 1}
     slow = []
     for i, (s, d) in enumerate(zip(steps, dur)):
-        usual = statistics.median(by_kind[kind(s)])
-        if d > factor * usual and len(by_kind[kind(s)]) > 1:
+        usual = median.get(chunk_group(s))
+        if usual is not None and d > factor * usual:
             idle = max(0.0, (s["t0"] - steps[i - 1]["t1"]) * 1e3) if i else 0.0
             slow.append((d, usual, idle, s))
     slow.sort(key=lambda x: x[0], reverse=True)
