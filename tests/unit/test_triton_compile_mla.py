@@ -28,7 +28,7 @@ POINTERS |= {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 def compile_decode(split: bool, dtype: str) -> object:
     launch = tm.DEFAULT_MLA_DECODE
     consts = dict(H=16, BLOCK_H=launch.block_h, R=512, R_PAD=512, ROPE=64, ROPE_PAD=64, BS=16,
-                  BLOCK_N=launch.block_n, PARTITION=1024, SHORT=0 if split else 1024,
+                  BLOCK_N=launch.block_n, SHORT=0 if split else 1024,
                   SPLIT=split, PRECISION="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
     pointers = POINTERS | {p: f"*{dtype}" for p in ("q_ptr", "cache_ptr", "out_ptr")}
     return triton_compile.compile_sm90(
@@ -45,9 +45,12 @@ def test_mla_decode_compiles_pipelined_without_spills(split: bool, dtype: str) -
     usage = resource_usage(kernel.asm["cubin"])  # type: ignore[attr-defined]
     if usage is None:
         pytest.skip("no cuobjdump to read the cubin's register use")
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
-    if dtype == "bf16":  # the model's dtype: well under the 255 cap (4 warps sat at 254)
+    if dtype == "bf16":  # the model's dtype: no spill, well under the 255 cap (4 warps sat at 254)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
         assert usage["REG"] < 200, usage
+    else:  # the partition size as a run-time value (no compile per eager shape) costs the
+        # fp32 split variant an 8-byte stack frame (it had none with a constexpr size)
+        assert usage["LOCAL"] == 0 and usage["STACK"] <= 8, f"register spills: {usage}"
 
 
 def test_the_dense_reduce_compiles_at_the_latent_width() -> None:

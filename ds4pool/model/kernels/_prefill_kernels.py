@@ -59,8 +59,17 @@ def attend_range(
     return acc, m_i, l_i
 
 
-# the table width changes from step to step: no divisibility specialisation, no recompile
-@triton.jit(do_not_specialize=["window", "stride_ts", "num_parts", "n_heads", "q_offset"])
+# The table width changes from step to step: no divisibility specialisation, no recompile.
+# Nor alignment of the per-sequence pointers: the split path (triton-split) passes them from
+# the step's first prompt row on, 4 bytes a decode row before it, and a pointer 16-byte
+# aligned in one step and not in the next would be a compile in the middle of serving (run
+# L's 1.1 s steps; tests/unit/test_triton_variants.py). They are read one value at a time.
+@triton.jit(
+    do_not_specialize=[
+        "window", "stride_ts", "num_parts", "n_heads", "q_offset", "tables_ptr", "qstart_ptr",
+        "lens_ptr",
+    ]
+)  # fmt: skip
 def prefill_kernel(
     q_ptr,
     k_ptr,

@@ -56,7 +56,10 @@ class MLADecodeLaunch:
 DEFAULT_MLA_DECODE = MLADecodeLaunch()
 
 
-@triton.jit(do_not_specialize=["stride_tb", "num_parts"])
+# The partition size comes from the batch and the table width (TritonMLAAttention's
+# partition_size): a run-time value, not a constexpr, or every eager step of a new shape
+# compiled a kernel (tests/unit/test_triton_variants.py).
+@triton.jit(do_not_specialize=["stride_tb", "num_parts", "partition"])
 def mla_decode_kernel(
     q_ptr,
     cache_ptr,
@@ -74,6 +77,7 @@ def mla_decode_kernel(
     stride_ob,
     stride_oh,
     num_parts,
+    partition,
     H: tl.constexpr,
     BLOCK_H: tl.constexpr,
     R: tl.constexpr,
@@ -82,7 +86,6 @@ def mla_decode_kernel(
     ROPE_PAD: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PARTITION: tl.constexpr,
     SHORT: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -92,7 +95,7 @@ def mla_decode_kernel(
     part = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
     # partition p covers [p * length, (p + 1) * length): the bounds decode_reduce_kernel uses
-    length = PARTITION
+    length = partition
     if SHORT > 0:  # a short row is one piece whatever the table width: batched == solo
         if ctx <= SHORT:
             length = SHORT
@@ -200,10 +203,10 @@ def mla_decode(
         q, cache, block_tables, context_lens, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_parts,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_parts, partition_size,
         H=heads, BLOCK_H=block_h, R=r_dim, R_PAD=r_pad,
         ROPE=dim - r_dim, ROPE_PAD=max(16, triton.next_power_of_2(dim - r_dim)), BS=bs,
-        BLOCK_N=launch.block_n, PARTITION=partition_size, SHORT=short, SPLIT=num_parts > 1,
+        BLOCK_N=launch.block_n, SHORT=short, SPLIT=num_parts > 1,
         PRECISION=_precision(q.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
