@@ -23,6 +23,7 @@ from ds4pool.model.device import BLAS_LIBRARIES, select_blas, select_device, sel
 from ds4pool.model.grammar import Constraint, GrammarCache, GrammarSpec
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.model.runner import ModelRunner
+from ds4pool.model.warm_up import WarmUpReport
 from ds4pool.sched.prefill_cost import DEFAULTS as PREFILL_COST
 from ds4pool.sched.prefill_cost import RATIO_DEFAULTS, PrefillCost
 from ds4pool.sched.queue import QueueConfig
@@ -116,6 +117,9 @@ class EngineConfig:
     # at most graph_capture_s; the rest when idle), "lazy" (on first use), "eager" (none)
     cuda_graphs: str = "ahead"
     graph_capture_s: float = 120.0
+    # CUDA: run the eager steps' kernel variants once at start-up, for at most
+    # graph_capture_s (model/warm_up.py), so that no step compiles one while serving
+    eager_warm_up: bool = True
     # Shared snapshot store: this replica's id; kv_disk_dir is the directory the replicas
     # share (kv/store.py). None: a private disk tier.
     replica_id: str | None = None
@@ -293,6 +297,10 @@ class Engine:
         if probe is not None and probe.chosen == probe.more:
             self.governor = ThreadGovernor(probe.fewer, probe.more, torch.set_num_threads)
         self.graph_capture = self.runner.capture_graphs(cfg.graph_capture_s)
+        self.warm_up: WarmUpReport | None = None
+        if cfg.eager_warm_up and loaded.device.type == "cuda":
+            max_chunk = prefill_tokens(cfg, loaded.device)
+            self.warm_up = self.runner.warm_up_eager(max_chunk, cfg.graph_capture_s)
         self.pool = SessionPool(
             PoolConfig(
                 num_device_blocks=num_blocks,

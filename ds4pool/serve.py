@@ -190,7 +190,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--graph-capture-s",
         type=float,
         default=120.0,
-        help="longest start-up capture (ahead); graphs left out are captured when idle",
+        help="longest start-up capture (ahead); graphs left out are captured when idle. "
+        "Also the bound of the eager warm-up that follows it",
+    )
+    _flag(
+        g,
+        "--no-eager-warm-up",
+        action="store_true",
+        help="CUDA: skip the start-up run of the eager steps' kernel variants (a step that "
+        "needs one not compiled yet then compiles it while serving)",
     )
     _flag(
         g,
@@ -382,6 +390,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             cpu_threads_up_to=threads.up_to,
             cuda_graphs="eager" if args.no_cuda_graphs else args.cuda_graphs,
             graph_capture_s=args.graph_capture_s,
+            eager_warm_up=not args.no_eager_warm_up,
             max_waiting=args.max_waiting,
             max_waiting_per_tenant=args.max_waiting_per_tenant,
             aging_s=args.aging_s,

@@ -26,6 +26,8 @@ Two paths:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +47,9 @@ from ds4pool.model.loader import LoadedModel
 from ds4pool.model.mixed_batch import ChunkRow, MixedBatch, MixedShape
 from ds4pool.model.ops import TorchOps, TritonOps
 from ds4pool.model.sampler import GREEDY, Sampler, SamplingParams
+from ds4pool.model.warm_up import WarmUpReport, eager_shapes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -138,10 +143,13 @@ class ModelRunner:
         max_decode_batch: int = 64,
         max_graph_chunk: int = 512,
         kv_head_major: bool | None = None,
+        attention: AttentionBackend | MLABackend | None = None,
     ) -> None:
         """`cuda_graphs`: "eager" (none), "lazy" (captured on first use; True), "ahead"
         (captured by `capture_graphs`, misses run eagerly and are captured when idle).
-        `kv_head_major`: the KV memory order (kv_layout.py); None = head-major on CPU only."""
+        `kv_head_major`: the KV memory order (kv_layout.py); None = head-major on CPU only.
+        `attention`: a backend instance instead of `backend`'s choice (tests drive the
+        Triton backend's launches on CPU this way, tests/unit/test_triton_variants.py)."""
         mode = {True: "lazy", False: "eager"}.get(cuda_graphs, cuda_graphs)  # type: ignore[call-overload]
         if mode not in MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(MODES)}, not {mode!r}")
@@ -153,7 +161,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = cfg.max_position
         kv_kind, planes, heads, dim = cfg.kv_cache
-        self.backend = select_backend(backend, self.device, kv_kind)
+        self.backend = attention or select_backend(backend, self.device, kv_kind)
         if kv_head_major and self.backend.name == "triton":
             raise ValueError("the triton attention backend needs the token-major KV order")
         self.layout = KVLayout(
@@ -245,6 +253,35 @@ class ModelRunner:
         with torch.inference_mode():
             return self.graphs.capture_pending()
 
+    def warm_up_eager(self, max_chunk: int, max_seconds: float) -> WarmUpReport:
+        """Run the eager steps of `warm_up.eager_shapes` (prompt chunks of up to `max_chunk`
+        tokens) over the scratch block only, for at most max_seconds: what a step that runs
+        without a CUDA graph compiles (Triton) or picks (cuBLAS) is done before serving."""
+        t0 = time.perf_counter()
+        shapes = eager_shapes(self.max_model_len, max_chunk, self.batch.max_rows)
+        scratch = self.layout.num_blocks  # block id of the scratch block
+        bs, done = self.block_size, 0
+        for shape in shapes:
+            if time.perf_counter() - t0 > max_seconds:
+                break
+            table = [scratch] * -(-(shape.context + shape.chunk) // bs)
+            rows = [SeqInput([0], shape.context, table) for _ in range(shape.decode_rows)]
+            self.wait(
+                self.launch([*rows, SeqInput([0] * shape.chunk, shape.context, table)], eager=True)
+            )
+            done += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        report = WarmUpReport(done, time.perf_counter() - t0, len(shapes) - done)
+        log.info(
+            "ran %d eager warm-up steps in %.1f s (kernel variants of steps without a graph); "
+            "%d left out by the time bound",
+            report.steps,
+            report.seconds,
+            report.left,
+        )
+        return report
+
     @staticmethod
     def blocks_for_bytes(loaded: LoadedModel, block_size: int, nbytes: int) -> int:
         per_token = loaded.config.kv_bytes_per_token(loaded.dtype.itemsize)
@@ -309,12 +346,15 @@ class ModelRunner:
         seqs: Sequence[SeqInput],
         return_logits: bool = False,
         feed: Launched | None = None,
+        eager: bool = False,
     ) -> Launched:
         """All of a step's device work up to the sampled ids and their copy to the host,
         without waiting for it (on CUDA the host returns while the device runs; on CPU the
         work is done here). A launch must be waited before the next one, unless the next is
         a decode step fed by it (`feed`, rows with `fed_from`): then two are in flight, and
-        the first must not have asked for logits (a graph's output buffer is reused)."""
+        the first must not have asked for logits (a graph's output buffer is reused).
+        `eager`: a step with prompt chunks runs eagerly even where a mixed-step graph has
+        its shape (warm_up_eager)."""
         fed = [i for i, s in enumerate(seqs) if s.fed_from >= 0]
         if feed is None:
             assert not self._launched, "launch() before the previous step was waited"
@@ -331,7 +371,7 @@ class ModelRunner:
             if len(rows) != len(seqs):  # after the forward's kernels: a pinned upload
                 index = upload(torch.tensor(rows, dtype=torch.int64), self.device)
                 logits = logits.index_select(0, index)
-        elif (shape := self._mixed_shape(seqs)) is not None:
+        elif not eager and (shape := self._mixed_shape(seqs)) is not None:
             logits = self._mixed_logits(seqs, rows, shape)
         else:
             logits = self._eager_logits(seqs, rows)

@@ -41,11 +41,13 @@ def test_zero_is_a_clear_error() -> None:
 
 
 def test_work_cap_and_graph_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MAX_PREFILL_COST", "PREFILL_COST_SCALE", "CUDA_GRAPHS", "NO_CUDA_GRAPHS"):
+    names = ("MAX_PREFILL_COST", "PREFILL_COST_SCALE", "CUDA_GRAPHS", "NO_CUDA_GRAPHS")
+    for name in (*names, "NO_EAGER_WARM_UP"):
         monkeypatch.delenv(f"DS4POOL_{name}", raising=False)
     unset = serve_config([]).engine
     assert unset.max_prefill_cost is None and unset.prefill_cost_scale is None
-    assert unset.cuda_graphs == "ahead"
+    assert unset.cuda_graphs == "ahead" and unset.eager_warm_up
+    assert not serve_config(["--no-eager-warm-up"]).engine.eager_warm_up
     cfg = serve_config(["--max-prefill-cost", "0", "--prefill-cost-scale", "2048"]).engine
     assert (cfg.max_prefill_cost, cfg.prefill_cost_scale) == (0, 2048)
     assert serve_config(["--cuda-graphs", "lazy"]).engine.cuda_graphs == "lazy"
