@@ -38,28 +38,39 @@ BS = 16
 NUM_BLOCKS = 4096
 
 
+def llama_hf() -> dict[str, Any]:
+    """One layer with Llama-3-8B's attention (32 heads of 128, 8 KV heads), small elsewhere."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": MAX_LEN,
+    }
+
+
+def mla_hf() -> dict[str, Any]:
+    """tests/hf_models.py's tiny DeepSeek-V3 at MAX_LEN positions, one (dense) layer: its
+    prefill runs the torch reference, slow at 32k contexts on CPU."""
+    hf = tiny_hf_config(512, "deepseek-v3") | {"max_position_embeddings": MAX_LEN}
+    hf |= {"num_hidden_layers": 1}
+    hf["rope_parameters"] = hf["rope_parameters"] | {"original_max_position_embeddings": 8192}
+    return hf
+
+
 def runner(kind: str) -> ModelRunner:
     """kind: "triton" / "triton-split" (a Llama with the 8B's attention shape) or
     "triton-mla" (tests/hf_models.py's tiny DeepSeek-V3, latent attention)."""
     cpu = torch.device("cpu")
     if kind == "triton-mla":
-        # one (dense) layer: its prefill runs the torch reference, slow at 32k contexts on CPU
-        hf = tiny_hf_config(512, "deepseek-v3") | {"max_position_embeddings": MAX_LEN}
-        hf |= {"num_hidden_layers": 1}
-        hf["rope_parameters"] = hf["rope_parameters"] | {"original_max_position_embeddings": 8192}
+        hf = mla_hf()
         attention: Any = TritonMLAAttention(num_sms=132)
     else:
-        hf = {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 512,
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "max_position_embeddings": MAX_LEN,
-        }
+        hf = llama_hf()
         attention = TritonPagedAttention(
             split_decode_rows=kind == "triton-split",
             num_sms=132,
