@@ -1,7 +1,10 @@
 #!/bin/bash
 # Issue 10's device sequence. Run L (session 39, docs/BENCHMARKS.md) ran it at e44cce4:
 # triton-split measured (stays opt-in), the wave step's timeline, the 3-stage prefill
-# launches. Now the next lease's: the prefill launch Hopper gets since then (DEEP_PREFILL)
+# launches. Now the next lease's: first the GPU tests of session 40's changes (the eager
+# warm-up: no Triton compile while serving; the prefill and MLA kernels' keys); the agents
+# runs below then start their servers with the warm-up (trace_report's slow steps: run L's
+# 0.3-1.2 s steps gone?); the prefill launch Hopper gets since then (DEEP_PREFILL)
 # against the old one in the wave step's profile, side by side; the agents at 64 / 32
 # (traced: the admission change's host time before a wave's steps, against run L's trace;
 # llama-server's figures are run K's); the GPU tests in full last. Runs as the SEQ of
@@ -9,7 +12,7 @@
 #   bash bench/device_bg.sh bench/h200_split_ab.sh 540 /tmp/ac   (carry .whl .llama)
 # and again at once after each call returns, until its log says "done" (what matters most
 # runs first).
-# Writes under /tmp/res: kernels.log (bench/attn_kernels.py), profile_{default,deep}.log
+# Writes under /tmp/res: gpu_changed.log, kernels.log (bench/attn_kernels.py), profile_{default,deep}.log
 # (the wave step, its timeline's gaps; chrome traces in trace_*/), agents logs (ds4pool at
 # 64 / 32 agents, traced: bench/trace_report.py TRACE --agents JSON), gpu_tests.log (pytest
 # -m cuda tests/gpu with the 25 slowest tests).
@@ -25,6 +28,12 @@ export PYTHONPATH=/tmp/site
 step model
 [ -f /tmp/m8b/config.json ] || python3 bench/write_random_model.py --preset llama3-8b \
   --vocab 1024 /tmp/m8b --device cuda --text-ids-only >$R/model.log 2>&1
+step "gpu tests, changed"  # session 40: the eager warm-up, the prefill / MLA kernels' keys
+timeout 600 python3 -m pytest -m cuda -q -p no:cacheprovider --durations=10 \
+  tests/gpu/test_warm_up_cuda.py tests/gpu/test_mla_cuda.py \
+  tests/gpu/test_triton_attention_cuda.py tests/gpu/test_graphs_ahead_cuda.py \
+  >$R/gpu_changed.log 2>&1
+step "gpu tests, changed: rc $?"
 step kernels
 timeout 300 python3 bench/attn_kernels.py >$R/kernels.log 2>&1
 mkdir -p $R/trace
