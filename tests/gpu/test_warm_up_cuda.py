@@ -10,9 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from ds4pool.model.config import ModelConfig
-from ds4pool.model.demo import init_random_
-from ds4pool.model.loader import LoadedModel, build_empty
 from ds4pool.model.runner import ModelRunner
 
 pytestmark = pytest.mark.cuda
@@ -26,12 +23,7 @@ def test_serving_steps_compile_nothing_after_the_warm_up(kind: str) -> None:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         pytest.skip("this triton has no jit cache hook")
-    cuda = torch.device("cuda")
-    cfg = ModelConfig.from_hf(variants.mla_hf() if kind == "triton-mla" else variants.llama_hf())
-    model = build_empty(cfg, cuda, torch.bfloat16)
-    init_random_(model, seed=0)
-    model.fuse_projections()
-    loaded = LoadedModel(model, cfg, None, "t", None, cuda, torch.bfloat16, "t")  # type: ignore[arg-type]
+    loaded = variants.loaded_model(kind, torch.device("cuda"))
     r = ModelRunner(
         loaded,
         num_blocks=variants.NUM_BLOCKS,
@@ -47,8 +39,8 @@ def test_serving_steps_compile_nothing_after_the_warm_up(kind: str) -> None:
     assert report.left == 0
     compiled: list[str] = []
 
-    def hook(**kw: Any) -> bool:
-        compiled.append(str(kw.get("repr", kw.get("key"))))
+    def hook(*args: Any, **kw: Any) -> bool:
+        compiled.append(str(kw.get("repr", kw.get("key", args))))
         return False  # compile as usual
 
     old, runtime.jit_cache_hook = runtime.jit_cache_hook, hook

@@ -62,25 +62,29 @@ def mla_hf() -> dict[str, Any]:
     return hf
 
 
+def loaded_model(kind: str, device: torch.device) -> LoadedModel:
+    """kind "triton" / "triton-split": llama_hf's model; "triton-mla": mla_hf's. bf16,
+    random weights, projections fused as the loader does."""
+    cfg = ModelConfig.from_hf(mla_hf() if kind == "triton-mla" else llama_hf())
+    model = build_empty(cfg, device, torch.bfloat16)
+    init_random_(model, seed=0)
+    model.fuse_projections()
+    return LoadedModel(model, cfg, None, "t", None, device, torch.bfloat16, "t")  # type: ignore[arg-type]
+
+
 def runner(kind: str) -> ModelRunner:
-    """kind: "triton" / "triton-split" (a Llama with the 8B's attention shape) or
-    "triton-mla" (tests/hf_models.py's tiny DeepSeek-V3, latent attention)."""
+    """loaded_model(kind) on CPU behind the Triton backend of that kind, launched with the
+    H200's choices."""
     cpu = torch.device("cpu")
+    loaded = loaded_model(kind, cpu)
     if kind == "triton-mla":
-        hf = mla_hf()
         attention: Any = TritonMLAAttention(num_sms=132)
     else:
-        hf = llama_hf()
         attention = TritonPagedAttention(
             split_decode_rows=kind == "triton-split",
             num_sms=132,
             prefill_launch=triton_attention.DEEP_PREFILL,
         )
-    cfg = ModelConfig.from_hf(hf)
-    model = build_empty(cfg, cpu, torch.bfloat16)
-    init_random_(model, seed=0)
-    model.fuse_projections()
-    loaded = LoadedModel(model, cfg, None, "t", None, cpu, torch.bfloat16, "t")  # type: ignore[arg-type]
     r = ModelRunner(
         loaded,
         num_blocks=NUM_BLOCKS,
@@ -90,9 +94,10 @@ def runner(kind: str) -> ModelRunner:
         kv_head_major=False,
         attention=attention,
     )
-    ops = model.ops  # TritonOps, as on CUDA: the skinny GEMM's configs of the 8B's shapes
+    ops = loaded.model.ops  # TritonOps, as on CUDA: the skinny GEMM's configs of the 8B's shapes
     template = triton_linear_configs.SKINNY_TABLE[(4096, 4096)]
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    modules = loaded.model.modules()
+    shapes = {tuple(m.weight.shape) for m in modules if isinstance(m, torch.nn.Linear)}
     ops.skinny_table = {shape: template for shape in shapes}
     ops._pdl_devices[cpu] = True  # as on sm_90
     return r
