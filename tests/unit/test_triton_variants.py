@@ -7,7 +7,9 @@ The real runner drives the Triton attention backend and the Triton ops on CPU wi
 the deep prefill launch, the skinny-GEMM table's configs, PDL); each launch is recorded with
 Triton's own specialisation rule instead of run (tests/triton_variants.py), so these tests
 need no GPU. A compile on the H200 host takes 0.3-1.2 s (run L, docs/BENCHMARKS.md): a
-variant first met while serving is a step that long.
+variant first met while serving is a step that long. Four models: that Llama under the
+triton and triton-split backends, a tiny DeepSeek-V3 under the latent (MLA) backend, and a
+Qwen3-MoE layer with the experts' Triton decode kernels as an H200 picks them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from ds4pool.model import experts, moe  # noqa: E402
 from ds4pool.model.attention_mla_triton import TritonMLAAttention  # noqa: E402
 from ds4pool.model.attention_triton import TritonPagedAttention  # noqa: E402
 from ds4pool.model.config import ModelConfig  # noqa: E402
@@ -28,7 +31,7 @@ from ds4pool.model.kernels import triton_attention, triton_linear_configs  # noq
 from ds4pool.model.loader import LoadedModel, build_empty  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
 from ds4pool.model.warm_up import eager_shapes  # noqa: E402
-from tests.hf_models import tiny_hf_config  # noqa: E402
+from tests.hf_models import TINY_MOE, tiny_hf_config  # noqa: E402
 from tests.triton_variants import recording  # noqa: E402
 
 MAX_LEN = 32768
@@ -62,10 +65,17 @@ def mla_hf() -> dict[str, Any]:
     return hf
 
 
+def moe_hf() -> dict[str, Any]:
+    """llama_hf's attention in a Qwen3-MoE layer (q/k norms; 16 experts, top-4)."""
+    moe = {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64}
+    return llama_hf() | TINY_MOE | moe
+
+
 def loaded_model(kind: str, device: torch.device) -> LoadedModel:
-    """kind "triton" / "triton-split": llama_hf's model; "triton-mla": mla_hf's. bf16,
-    random weights, projections fused as the loader does."""
-    cfg = ModelConfig.from_hf(mla_hf() if kind == "triton-mla" else llama_hf())
+    """kind "triton" / "triton-split": llama_hf's model; "triton-mla": mla_hf's;
+    "triton-moe": moe_hf's. bf16, random weights, projections fused as the loader does."""
+    hf = {"triton-mla": mla_hf, "triton-moe": moe_hf}.get(kind, llama_hf)()
+    cfg = ModelConfig.from_hf(hf)
     model = build_empty(cfg, device, torch.bfloat16)
     init_random_(model, seed=0)
     model.fuse_projections()
@@ -142,8 +152,27 @@ def serving_steps(seed: int, max_len: int) -> list[tuple[str, list[SeqInput]]]:
     return steps
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split", "triton-mla"])
-def test_serving_after_the_warm_up_compiles_nothing(kind: str) -> None:
+def experts_as_on_cuda(
+    device: torch.device,
+    dtype: torch.dtype,
+    requested: str = "auto",
+    pairs: int | None = None,
+    max_pairs: int = experts.DECODE_MAX_PAIRS,
+) -> str:
+    """expert_impl's choice on an H200: the Triton decode kernels up to max_pairs (token,
+    expert) pairs; past them torch's grouped GEMM there, which launches no Triton kernel
+    (the loop stands in for it on CPU)."""
+    if requested == "auto" and pairs is not None and pairs <= max_pairs:
+        return "decode"
+    return "loop"
+
+
+@pytest.mark.parametrize("kind", ["triton", "triton-split", "triton-mla", "triton-moe"])
+def test_serving_after_the_warm_up_compiles_nothing(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(moe, "expert_impl", experts_as_on_cuda)
+    monkeypatch.setattr(experts, "expert_impl", experts_as_on_cuda)
     r = runner(kind)
     with recording() as rec:
         rec.label = "warm-up"
@@ -154,7 +183,11 @@ def test_serving_after_the_warm_up_compiles_nothing(kind: str) -> None:
         for label, seqs in serving_steps(seed=1, max_len=r.max_model_len):
             rec.label = label
             r.step(seqs)
-    assert warmed, "the warm-up launched no Triton kernel"
+    kernels = {name.rsplit(".", 1)[-1] for name in warmed}
+    attention = "mla_decode_kernel" if kind == "triton-mla" else "prefill_kernel"
+    assert attention in kernels, kernels
+    if kind == "triton-moe":  # the experts' decode kernels, not only the attention's
+        assert {"_gate_up_kernel", "_down_kernel", "_combine_kernel"} <= kernels, kernels
     assert rec.new_since(warmed) == []
 
 
