@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 from tests.unit import test_triton_variants as variants  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split", "triton-mla"])
+@pytest.mark.parametrize("kind", ["triton", "triton-split", "triton-mla", "triton-moe"])
 def test_serving_steps_compile_nothing_after_the_warm_up(kind: str) -> None:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
