@@ -53,6 +53,20 @@ def main() -> None:
         "agents' bursts)",
     )
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument(
+        "--graph-chunks",
+        type=int,
+        default=1,
+        help="a mixed step of up to N chunks replays a graph (the runner's max_graph_chunks; "
+        "ds4pool serve --graph-chunks)",
+    )
+    ap.add_argument(
+        "--graph-chunk-tokens",
+        type=int,
+        default=512,
+        help="the most prompt tokens of a graphed mixed step (max_graph_chunk; the engine "
+        "uses min(--max-prefill-tokens, 2048))",
+    )
     ap.add_argument("--trace", help="directory for each mixed step's chrome trace (timeline)")
     ap.add_argument(
         "--prefill-launch",
@@ -74,7 +88,12 @@ def main() -> None:
     long_blocks *= max(args.mixed_chunks)
     blocks = per_seq * max(args.batch) + long_blocks + 1
     runner = ModelRunner(
-        loaded, num_blocks=blocks, backend=args.backend, cuda_graphs=not args.no_cuda_graphs
+        loaded,
+        num_blocks=blocks,
+        backend=args.backend,
+        cuda_graphs=not args.no_cuda_graphs,
+        max_graph_chunk=args.graph_chunk_tokens,
+        max_graph_chunks=args.graph_chunks,
     )
     if args.prefill_launch != "device":  # before any graph is captured
         from ds4pool.model.kernels import triton_attention as ta

@@ -120,6 +120,10 @@ class EngineConfig:
     # CUDA: run the eager steps' kernel variants once at start-up, for at most
     # graph_capture_s (model/warm_up.py), so that no step compiles one while serving
     eager_warm_up: bool = True
+    # CUDA: a mixed step of decodes and up to this many prompt chunks (their tokens together
+    # within the graphs' largest chunk bucket) replays a graph; 1: one chunk, several run
+    # eagerly (model/mixed_batch.py)
+    graph_chunks: int = 1
     # Shared snapshot store: this replica's id; kv_disk_dir is the directory the replicas
     # share (kv/store.py). None: a private disk tier.
     replica_id: str | None = None
@@ -161,6 +165,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}")
         if self.graph_capture_s < 0:
             raise ValueError("graph_capture_s must be >= 0")
+        if self.graph_chunks < 1:
+            raise ValueError("graph_chunks must be >= 1")
         for name in ("kv_ram_gb", "kv_disk_gb", "coalesce_us", "kv_persist_idle_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -279,6 +285,7 @@ class Engine:
             max_decode_batch=cfg.max_batch_size,
             # the chunks that run next to decoders get graphs (capped: each size is captured)
             max_graph_chunk=min(prefill_tokens(cfg, loaded.device), 2048),
+            max_graph_chunks=cfg.graph_chunks,
         )
         # Before the pool and the worker exist: nothing else runs on the device yet.
         self.thread_probe: ThreadProbe | None = None

@@ -195,6 +195,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         g,
+        "--graph-chunks",
+        type=int,
+        default=1,
+        help="CUDA: a step of decodes and up to N prompt chunks replays a mixed-step graph "
+        "(their tokens together padded to a chunk bucket); 1: only single-chunk steps, "
+        "several chunks run eagerly",
+    )
+    _flag(
+        g,
         "--no-eager-warm-up",
         action="store_true",
         help="CUDA: skip the start-up run of the eager steps' kernel variants (a step that "
@@ -391,6 +400,7 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
             cuda_graphs="eager" if args.no_cuda_graphs else args.cuda_graphs,
             graph_capture_s=args.graph_capture_s,
             eager_warm_up=not args.no_eager_warm_up,
+            graph_chunks=args.graph_chunks,
             max_waiting=args.max_waiting,
             max_waiting_per_tenant=args.max_waiting_per_tenant,
             aging_s=args.aging_s,

@@ -120,7 +120,7 @@ class StepGraphs:
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pending: dict[GraphKey, None] = {}  # ordered set: misses first, then the plan
         self._pool: tuple[int, int] | None = None
-        rows = batch.max_rows + (1 if mixed is not None else 0)
+        rows = batch.max_rows + (mixed.max_chunks if mixed is not None else 0)
         self._logits = torch.empty((rows, vocab_size), dtype=dtype, device=batch.device)
         self.captures = 0
         self.eager_misses = 0  # steps run eagerly because their graph was not captured yet
@@ -135,10 +135,14 @@ class StepGraphs:
                 return b
         return None
 
-    def mixed_shape(self, decodes: int, chunk: int) -> MixedShape | None:
-        """The padded shape of a step of `decodes` decodes and one `chunk`-token chunk, or
-        None if it has no graph (no mixed batch, or the chunk is too long)."""
-        if self.mixed is None or chunk > self.mixed.max_chunk or decodes > self.mixed.max_rows:
+    def mixed_shape(self, decodes: int, chunk: int, chunks: int = 1) -> MixedShape | None:
+        """The padded shape of a step of `decodes` decodes and `chunks` prompt chunks of
+        `chunk` tokens together, or None if it has no graph (no mixed batch, more chunks or
+        tokens than it holds)."""
+        mixed = self.mixed
+        if mixed is None or chunk > mixed.max_chunk or decodes > mixed.max_rows:
+            return None
+        if chunks > mixed.max_chunks:
             return None
         bucket = self.bucket_for(max(decodes, 1))
         if bucket is None:
@@ -249,7 +253,7 @@ class StepGraphs:
         blocks = -(-key.chunk // layout.block_size)
         chunk = ChunkRow([0] * key.chunk, 0, [scratch] * blocks)
         shape = MixedShape(key.bucket, key.chunk)
-        self.mixed.load(rows, chunk, list(range(key.bucket + 1)), shape)
+        self.mixed.load(rows, [chunk], list(range(key.bucket + 1)), shape)
 
     def _forward(self, bucket: int, width: int) -> None:
         meta = self.batch.metadata(bucket, None, width)
@@ -263,7 +267,7 @@ class StepGraphs:
         meta = mixed.metadata(shape, width, parts(shape.chunk_bucket, width * bs))
         hidden = self.model(mixed.input_ids[: shape.num_tokens], self.kv_caches, meta)
         rows = mixed.logit_rows(shape)
-        self._logits[: shape.bucket + 1].copy_(self.model.compute_logits(hidden[rows]))
+        self._logits[: rows.shape[0]].copy_(self.model.compute_logits(hidden[rows]))
 
     def _capture(self, forward: Callable[[], None], key: GraphKey) -> torch.cuda.CUDAGraph:
         # The buffers hold this step's real inputs (lazy) or dummy ones (ahead); warm-up and
@@ -297,7 +301,7 @@ class StepGraphs:
 
     def replay_mixed(self, shape: MixedShape, max_context: int) -> torch.Tensor:
         """Run the mixed graph of (shape, width for max_context) over the mixed batch's
-        buffers; logits [bucket + 1, V], row j = the j-th sampled row the batch was loaded
+        buffers; logits [bucket + K, V], row j = the j-th sampled row the batch was loaded
         with (static: valid until the next replay)."""
         key = self.mixed_key(shape, max_context)
         graph = self._graphs.get(key)
@@ -307,4 +311,5 @@ class StepGraphs:
                 lambda: self._forward_mixed(shape, key.width), key
             )
         graph.replay()
-        return self._logits[: shape.bucket + 1]
+        assert self.mixed is not None
+        return self._logits[: shape.bucket + self.mixed.max_chunks]

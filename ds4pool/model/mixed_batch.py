@@ -1,24 +1,30 @@
-"""The persistent input batch of mixed steps: decode rows plus one prompt chunk, padded to a
-(decode bucket, chunk bucket) shape that a CUDA graph can be captured for.
+"""The persistent input batch of mixed steps: decode rows plus one to K prompt chunks,
+padded to a (decode bucket, chunk-token bucket) shape that a CUDA graph can be captured for.
 
-A mixed step of B decoding sequences and one chunk of C prompt tokens is laid out on a flat
-token axis of Bb + Cb tokens (Bb, Cb: the buckets >= B, C) and Bb + 2 sequences:
+A mixed step of B decoding sequences and k <= K chunks of C_1..C_k prompt tokens (C their
+sum) is laid out on a flat token axis of Bb + Cb tokens (Bb, Cb: the buckets >= B, C) and
+Bb + K + 1 sequences:
 
     tokens [0, Bb)            decode rows: row j is the j-th decoding sequence (one token);
                               rows [B, Bb) are padding (context 0, nothing attended)
-    tokens [Bb, Bb + C)       the chunk: sequence Bb, positions [n, n + C) after n cached
-    tokens [Bb + C, Bb + Cb)  padding: sequence Bb + 1 with context 0
+    tokens [Bb, Bb + C)       the chunks back to back: chunk i is sequence Bb + i, positions
+                              [n_i, n_i + C_i) after its n_i cached tokens; sequences
+                              Bb + k .. Bb + K - 1 are empty chunk rows (no token, context 0)
+    tokens [Bb + C, Bb + Cb)  padding: sequence Bb + K with context 0
 
-Padding tokens are id 0 at position 0 and write their K/V to the layout's scratch slot;
+K is fixed when the batch is made (`max_chunks`; 1: the one-chunk layout), so a graph
+captured with one chunk replays any step of up to K chunks of its shape: the kernels' grids
+depend on the sequence count and the buckets only, and an empty chunk row's programs exit at
+once. Padding tokens are id 0 at position 0 and write their K/V to the layout's scratch slot;
 sequences with context 0 see no key, so attention writes zeros for them and nothing real
-reads their rows. `logit_rows` [Bb + 1] lists the token indices whose logits the step needs,
+reads their rows. `logit_rows` [Bb + K] lists the token indices whose logits the step needs,
 in the order of the step's sampled sequences (the rest point at token 0), so the LM head
 runs on a fixed number of rows and logits[:R] are the R sampled rows in order.
 
 Buffers (all device, written from one pinned staging copy per step, plus block-table diffs):
 
-    tok  [4, T]  int64: ids, positions, slots, logit_rows (first Bb + 1 entries)
-    seqs [2, S + 1] index dtype: context lengths (first Bb + 2), query starts (Bb + 3)
+    tok  [4, T]  int64: ids, positions, slots, logit_rows (first Bb + K entries)
+    seqs [2, S + 1] index dtype: context lengths (first Bb + K + 1), query starts (+1)
     tables [S, max_blocks]: `TableRows` (diff upload keyed by seq_id and table epoch)
 """
 
@@ -39,7 +45,7 @@ CONTEXT, QUERY_START = range(2)
 
 @dataclass(frozen=True)
 class ChunkRow:
-    """The step's prompt chunk: token ids after `num_computed` cached tokens."""
+    """One of the step's prompt chunks: token ids after `num_computed` cached tokens."""
 
     token_ids: Sequence[int]
     num_computed: int
@@ -51,15 +57,11 @@ class ChunkRow:
 @dataclass(frozen=True)
 class MixedShape:
     bucket: int  # decode rows, padded
-    chunk_bucket: int  # chunk tokens, padded
+    chunk_bucket: int  # the chunks' tokens together, padded
 
     @property
     def num_tokens(self) -> int:
         return self.bucket + self.chunk_bucket
-
-    @property
-    def num_seqs(self) -> int:
-        return self.bucket + 2
 
 
 class MixedBatch:
@@ -72,14 +74,19 @@ class MixedBatch:
         device: torch.device,
         index_dtype: torch.dtype,
         sliding_window: int | None,
+        max_chunks: int = 1,
     ) -> None:
+        """`max_chunk`: the most prompt tokens of a step (all its chunks); `max_chunks`: the
+        most chunks (K above)."""
+        assert max_chunks >= 1, max_chunks
         self.layout = layout
         self.max_rows = max_rows
         self.max_chunk = max_chunk
+        self.max_chunks = max_chunks
         self.max_blocks = max_blocks_per_seq
         self.device = device
         self.sliding_window = sliding_window
-        tokens, seqs = max_rows + max_chunk, max_rows + 2
+        tokens, seqs = max_rows + max_chunk, max_rows + max_chunks + 1
         pin = device.type == "cuda"
         self.tok = torch.zeros((4, tokens), dtype=torch.int64, device=device)
         self._tok_host = torch.zeros((4, tokens), dtype=torch.int64, pin_memory=pin)
@@ -87,21 +94,25 @@ class MixedBatch:
         self._seqs_host = torch.zeros((2, seqs + 1), dtype=index_dtype, pin_memory=pin)
         self.table_rows = TableRows(seqs, max_blocks_per_seq, device, index_dtype)
 
+    def num_seqs(self, shape: MixedShape) -> int:
+        return shape.bucket + self.max_chunks + 1
+
     def load(
         self,
         decodes: Sequence[DecodeRow],
-        chunk: ChunkRow,
+        chunks: Sequence[ChunkRow],
         sampled: Sequence[int],
         shape: MixedShape,
     ) -> int:
         """Fill the buffers for `shape`; returns the step's largest context.
 
         `sampled` lists, in order, which rows need logits: j < len(decodes) is decode row j,
-        j == len(decodes) is the chunk's last token."""
-        b, c = len(decodes), len(chunk.token_ids)
-        bb, cb = shape.bucket, shape.chunk_bucket
+        j == len(decodes) + i is chunk i's last token."""
+        b, k = len(decodes), len(chunks)
+        c = sum(len(ch.token_ids) for ch in chunks)
+        bb, cb, kk = shape.bucket, shape.chunk_bucket, self.max_chunks
         assert 0 <= b <= bb <= self.max_rows and 0 < c <= cb <= self.max_chunk, (b, bb, c, cb)
-        assert len(sampled) <= bb + 1
+        assert 0 < k <= kk and len(sampled) <= bb + kk, (k, kk, len(sampled))
         bs, scratch = self.layout.block_size, self.layout.scratch_slot
         ids, pos, slots, ctx = stage_decode_rows(decodes, self.table_rows, bs)
         for j in range(b, bb):
@@ -110,27 +121,34 @@ class MixedBatch:
         pos += [0] * (bb - b)
         slots += [scratch] * (bb - b)
         ctx += [0] * (bb - b)
-        table = chunk.block_table[: self.max_blocks]
-        start = chunk.num_computed
-        ids += list(chunk.token_ids)
-        pos += list(range(start, start + c))
-        slots += [table[p // bs] * bs + p % bs for p in range(start, start + c)]
-        ctx.append(start + c)
-        self.table_rows.stage(bb, table, chunk.seq_id, chunk.table_epoch)
-        self.table_rows.forget(bb + 1)
+        starts = list(range(bb + 1))
+        lasts = []  # token index of each chunk's last token
+        for i, chunk in enumerate(chunks):
+            table = chunk.block_table[: self.max_blocks]
+            start, n = chunk.num_computed, len(chunk.token_ids)
+            ids += list(chunk.token_ids)
+            pos += list(range(start, start + n))
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            ctx.append(start + n)
+            self.table_rows.stage(bb + i, table, chunk.seq_id, chunk.table_epoch)
+            starts.append(starts[-1] + n)
+            lasts.append(starts[-1] - 1)
+        ctx += [0] * (kk - k)  # the empty chunk rows: no token, no context
+        starts += [starts[-1]] * (kk - k)
+        for i in range(k, kk + 1):  # and the padding sequence's
+            self.table_rows.forget(bb + i)
         pad = cb - c
         ids += [0] * pad
         pos += [0] * pad
         slots += [scratch] * pad
         ctx.append(0)
-        rows = [j if j < b else bb + c - 1 for j in sampled]
-        rows += [0] * (bb + 1 - len(rows))
-        rows += [0] * (bb + cb - len(rows))
         t = bb + cb
+        starts.append(t)
+        rows = [j if j < b else lasts[j - b] for j in sampled]
+        rows += [0] * (t - len(rows))
         self._tok_host[:, :t] = torch.tensor([ids, pos, slots, rows], dtype=torch.int64)
         self.tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
-        starts = list(range(bb + 1)) + [bb + c, t]
-        n_seqs = bb + 2
+        n_seqs = self.num_seqs(shape)
         self._seqs_host[CONTEXT, :n_seqs] = torch.tensor(ctx, dtype=self.seqs.dtype)
         self._seqs_host[QUERY_START, : n_seqs + 1] = torch.tensor(starts, dtype=self.seqs.dtype)
         self.seqs[:, : n_seqs + 1].copy_(self._seqs_host[:, : n_seqs + 1], non_blocking=True)
@@ -140,7 +158,7 @@ class MixedBatch:
     def metadata(self, shape: MixedShape, width: int, partitions: int) -> AttentionMetadata:
         """Metadata over the buffers for `shape` and the first `width` block columns; the
         prefill kernel's split-K factor is fixed (`partitions`), as a captured graph needs."""
-        t, s = shape.num_tokens, shape.num_seqs
+        t, s = shape.num_tokens, self.num_seqs(shape)
         empty = self.tok[IDS, :0]
         return AttentionMetadata(
             positions=self.tok[POSITIONS, :t],
@@ -164,8 +182,8 @@ class MixedBatch:
     def input_ids(self) -> torch.Tensor:
         return self.tok[IDS]
 
-    def logit_rows(self, shape: MixedShape) -> torch.Tensor:  # [Bb + 1] int64
-        return self.tok[LOGIT_ROWS, : shape.bucket + 1]
+    def logit_rows(self, shape: MixedShape) -> torch.Tensor:  # [Bb + K] int64
+        return self.tok[LOGIT_ROWS, : shape.bucket + self.max_chunks]
 
 
 def chunk_buckets(max_chunk: int) -> list[int]:

@@ -142,11 +142,14 @@ class ModelRunner:
         cuda_graphs: bool | str = True,
         max_decode_batch: int = 64,
         max_graph_chunk: int = 512,
+        max_graph_chunks: int = 1,
         kv_head_major: bool | None = None,
         attention: AttentionBackend | MLABackend | None = None,
     ) -> None:
         """`cuda_graphs`: "eager" (none), "lazy" (captured on first use; True), "ahead"
         (captured by `capture_graphs`, misses run eagerly and are captured when idle).
+        `max_graph_chunk` / `max_graph_chunks`: a mixed step replays a graph with up to that
+        many prompt tokens in up to that many chunks (mixed_batch.py).
         `kv_head_major`: the KV memory order (kv_layout.py); None = head-major on CPU only.
         `attention`: a backend instance instead of `backend`'s choice (tests drive the
         Triton backend's launches on CPU this way, tests/unit/test_triton_variants.py)."""
@@ -215,6 +218,7 @@ class ModelRunner:
                     self.device,
                     self.backend.index_dtype,
                     cfg.sliding_window,
+                    max_graph_chunks,
                 )
 
                 def partitions(chunk: int, width_tokens: int) -> int:
@@ -451,13 +455,13 @@ class ModelRunner:
         return len(seqs) <= self.batch.max_rows and all(len(s.token_ids) == 1 for s in seqs)
 
     def _mixed_shape(self, seqs: Sequence[SeqInput]) -> MixedShape | None:
-        """The graph shape of a step of decodes plus exactly one prompt chunk, if it has one."""
+        """The graph shape of a step of decodes plus prompt chunks, if it has one."""
         if self.graphs is None:
             return None
         chunks = [len(s.token_ids) for s in seqs if len(s.token_ids) > 1]
-        if len(chunks) != 1:
+        if not chunks:
             return None
-        shape = self.graphs.mixed_shape(len(seqs) - 1, chunks[0])
+        shape = self.graphs.mixed_shape(len(seqs) - len(chunks), sum(chunks), len(chunks))
         if shape is None:
             return None
         max_ctx = max(s.context_len for s in seqs)
@@ -468,19 +472,19 @@ class ModelRunner:
     ) -> torch.Tensor:
         assert self.graphs is not None and self.mixed is not None
         decodes: list[DecodeRow] = []
-        index: list[int] = []  # seq i → its logits row in the mixed batch
-        chunk: ChunkRow | None = None
+        chunks: list[ChunkRow] = []
+        index: list[int] = []  # seq i → its row in `sampled`'s numbering (decodes, then chunks)
         for s in seqs:
             table, sid, epoch = s.block_table, s.seq_id, s.table_epoch
             if len(s.token_ids) == 1:
                 index.append(len(decodes))
                 decodes.append(DecodeRow(s.token_ids[0], s.num_computed, table, sid, epoch))
             else:
-                index.append(-1)
-                chunk = ChunkRow(s.token_ids, s.num_computed, table, sid, epoch)
-        assert chunk is not None
-        sampled = [index[i] if index[i] >= 0 else len(decodes) for i in rows]
-        max_ctx = self.mixed.load(decodes, chunk, sampled, shape)
+                index.append(-1 - len(chunks))
+                chunks.append(ChunkRow(s.token_ids, s.num_computed, table, sid, epoch))
+        b = len(decodes)
+        sampled = [index[i] if index[i] >= 0 else b - 1 - index[i] for i in rows]
+        max_ctx = self.mixed.load(decodes, chunks, sampled, shape)
         return self.graphs.replay_mixed(shape, max_ctx)[: len(rows)]  # [R, V], rows' order
 
     def _eager_logits(self, seqs: Sequence[SeqInput], rows: list[int]) -> torch.Tensor:

@@ -16,7 +16,9 @@ the step's length, and a 512-token chunk at a 16k context costs ~5x what it cost
 (docs/BENCHMARKS.md, "Chunked prefill next to decoders"). A chunk is rounded down to one of
 `chunk_sizes` (the runner's CUDA-graph chunk buckets) unless it is the prompt's last: a chunk
 between two buckets would be padded up to the larger one and cost it (only a step's first
-chunk: a step with several runs eagerly, unpadded).
+chunk: a step with several runs eagerly, unpadded; with `--graph-chunks` > 1 such a step
+replays a graph too, its chunks' tokens padded together to one bucket, which this rounding
+does not model).
 
 On a compute-bound device the budget is also relative to the step's decode work
 (`decode_ratio`, 0 = off): while D sequences decode at contexts c_i, the prompt work is at

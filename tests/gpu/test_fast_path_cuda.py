@@ -229,3 +229,55 @@ def test_split_decode_rows_equal_the_one_launch_path(loaded: LoadedModel, graphs
     assert getattr(split.backend, "split_decode_rows", False)
     for a, b in zip(ref, mixed_trace(split, vocab)):
         torch.testing.assert_close(b, a, rtol=0, atol=2e-2 * float(a.abs().max()))
+
+
+def chunks_trace(r: ModelRunner, vocab: int) -> list[torch.Tensor]:
+    """Steps of 2 decoders beside 1 to 3 prompts' chunks at once (the prompts at different
+    cached lengths, the chunk between the decode rows, some chunks sampled); logits of each."""
+    gen = torch.Generator().manual_seed(9)
+    pool = BlockPool(r.num_blocks)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    dec = [ids(n) for n in (40, 300)]
+    tables = [BlockTable(r.block_size) for _ in range(5)]
+    for p, t in zip(dec, tables):
+        t.ensure(pool, len(p) + 8)
+        r.step([SeqInput(p, 0, t.blocks)])
+    prompts = [ids(n) for n in (500, 90, 260)]
+    for p, t in zip(prompts, tables[2:]):
+        t.ensure(pool, len(p))
+    done, pos, out = [0, 0, 0], [40, 300], []
+    # (chunk tokens per prompt, 0: not in this step): several chunks, one, three, two
+    for k, sizes in enumerate([(100, 50, 0), (0, 40, 0), (200, 0, 120), (200, 0, 140)]):
+        seqs = [
+            SeqInput([5 + k], pos[i], tables[i].blocks, seq_id=i + 1, table_epoch=0)
+            for i in range(2)
+        ]
+        for j, c in enumerate(sizes):
+            if c:
+                p = prompts[j]
+                last = done[j] + c == len(p)
+                chunk = SeqInput(p[done[j] : done[j] + c], done[j], tables[2 + j].blocks,
+                                 sample=last or j == 0, seq_id=10 + j)  # fmt: skip
+                seqs.insert(1, chunk)
+                done[j] += c
+        res = r.step(seqs, return_logits=True)
+        assert res.logits is not None
+        out.append(res.logits.clone())
+        pos = [p + 1 for p in pos]
+    assert done == [len(p) for p in prompts]
+    return out
+
+
+def test_several_chunk_steps_replay_graphs_equal_to_eager(loaded: LoadedModel) -> None:
+    """With max_graph_chunks 4 a step of decodes and 2-3 prompt chunks replays a mixed-step
+    graph (captured with one chunk; the other chunk rows empty) and gives the eager logits."""
+    vocab = loaded.config.vocab_size
+    eager = chunks_trace(runner(loaded, "triton", graphs=False), vocab)
+    r = ModelRunner(loaded, num_blocks=1024, backend="triton", max_graph_chunks=4)
+    graphed = chunks_trace(r, vocab)
+    assert r.graphs is not None and r.graphs.eager_misses == 0
+    assert not r.launches_eagerly(
+        [SeqInput([1, 2], 0, [0]), SeqInput([3], 5, [1]), SeqInput([4, 5, 6], 0, [2])]
+    )
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-2 * float(a.abs().max()))

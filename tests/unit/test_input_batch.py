@@ -123,7 +123,7 @@ def test_mixed_batch_lays_out_decodes_chunk_and_padding() -> None:
     chunk = ChunkRow(list(range(11, 18)), 14, list(tables[2].blocks), seq_id=3)
     shape = MixedShape(bucket=4, chunk_bucket=32)
     # sampled: the chunk's last token, then decode row 1 (decode row 0 is not sampled)
-    assert mixed.load(decodes, chunk, [2, 1], shape) == 21
+    assert mixed.load(decodes, [chunk], [2, 1], shape) == 21
     ref = build_metadata(
         [1, 1, 7], [6, 10, 21], [t.blocks for t in tables], BS, torch.device("cpu")
     )
@@ -147,7 +147,50 @@ def test_mixed_batch_lays_out_decodes_chunk_and_padding() -> None:
     assert meta.block_tables[4, :6].tolist() == tables[2].blocks
     assert mixed.logit_rows(shape).tolist() == [10, 1, 0, 0, 0]
     sent = mixed.table_rows.uploaded_block_ids
-    mixed.load(rows_of(tables[:2], [5, 9], [1, 2]), chunk, [], shape)  # same tables again
+    mixed.load(rows_of(tables[:2], [5, 9], [1, 2]), [chunk], [], shape)  # same tables again
     assert mixed.table_rows.uploaded_block_ids == sent  # nothing re-sent
     assert chunk_buckets(512) == [32, 64, 128, 256, 512]
     assert chunk_buckets(300) == [32, 64, 128, 256, 300]
+
+
+def test_mixed_batch_lays_out_several_chunks_and_empty_chunk_rows() -> None:
+    """Up to K chunks back to back after the decode rows (sequences bucket.. bucket + k - 1),
+    empty chunk rows up to K (no token, context 0), then the padding sequence; a chunk's
+    last token is its logit row; positions and slots as build_metadata computes them."""
+    from ds4pool.model.attention import build_metadata
+    from ds4pool.model.mixed_batch import ChunkRow, MixedBatch, MixedShape
+
+    layout = KVLayout(2, 64, BS, 2, 8, torch.float32)
+    mixed = MixedBatch(layout, 8, 64, 32, torch.device("cpu"), torch.int32, None, max_chunks=4)
+    pool = BlockPool(64)
+    tables = [BlockTable(BS) for _ in range(4)]
+    for t, n in zip(tables, [6, 10, 21, 40]):
+        t.ensure(pool, n)
+    decodes = rows_of(tables[:2], [5, 9], [1, 2])
+    chunks = [
+        ChunkRow(list(range(11, 18)), 14, list(tables[2].blocks), seq_id=3),
+        ChunkRow(list(range(30, 42)), 28, list(tables[3].blocks), seq_id=4),
+    ]
+    shape = MixedShape(bucket=4, chunk_bucket=32)
+    # sampled: the second chunk, decode row 0, the first chunk
+    assert mixed.load(decodes, chunks, [3, 0, 2], shape) == 40
+    ref = build_metadata(
+        [1, 1, 7, 12], [6, 10, 21, 40], [t.blocks for t in tables], BS, torch.device("cpu")
+    )
+    meta = mixed.metadata(shape, width=16, partitions=1)
+    real = [0, 1] + list(range(4, 23))
+    assert meta.positions[real].tolist() == ref.positions.tolist()
+    assert meta.slot_mapping[real].tolist() == ref.slot_mapping.tolist()
+    assert set(meta.slot_mapping[[2, 3, *range(23, 36)]].tolist()) == {layout.scratch_slot}
+    assert mixed.input_ids[4:23].tolist() == list(range(11, 18)) + list(range(30, 42))
+    # 4 decode rows, chunks at 4 and 5, empty chunk rows 6 and 7, the padding sequence 8
+    assert meta.context_lens.tolist() == [6, 10, 0, 0, 21, 40, 0, 0, 0]
+    assert meta.query_start.tolist() == [0, 1, 2, 3, 4, 11, 23, 23, 23, 36]
+    assert meta.block_tables.shape == (9, 16)
+    assert meta.block_tables[5, : len(tables[3].blocks)].tolist() == tables[3].blocks
+    assert mixed.logit_rows(shape).tolist() == [22, 0, 10, 0, 0, 0, 0, 0]
+    # one chunk next time: the second chunk's row is forgotten, not left to be attended
+    assert mixed.load(decodes, chunks[:1], [2], shape) == 21
+    meta = mixed.metadata(shape, width=16, partitions=1)
+    assert meta.context_lens.tolist() == [6, 10, 0, 0, 21, 0, 0, 0, 0]
+    assert meta.query_start.tolist() == [0, 1, 2, 3, 4, 11, 11, 11, 11, 36]

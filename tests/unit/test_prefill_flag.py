@@ -42,12 +42,16 @@ def test_zero_is_a_clear_error() -> None:
 
 def test_work_cap_and_graph_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     names = ("MAX_PREFILL_COST", "PREFILL_COST_SCALE", "CUDA_GRAPHS", "NO_CUDA_GRAPHS")
-    for name in (*names, "NO_EAGER_WARM_UP"):
+    for name in (*names, "NO_EAGER_WARM_UP", "GRAPH_CHUNKS"):
         monkeypatch.delenv(f"DS4POOL_{name}", raising=False)
     unset = serve_config([]).engine
     assert unset.max_prefill_cost is None and unset.prefill_cost_scale is None
     assert unset.cuda_graphs == "ahead" and unset.eager_warm_up
     assert not serve_config(["--no-eager-warm-up"]).engine.eager_warm_up
+    assert unset.graph_chunks == 1
+    assert serve_config(["--graph-chunks", "8"]).engine.graph_chunks == 8
+    with pytest.raises(Ds4poolError, match="graph_chunks"):
+        serve_config(["--graph-chunks", "0"])
     cfg = serve_config(["--max-prefill-cost", "0", "--prefill-cost-scale", "2048"]).engine
     assert (cfg.max_prefill_cost, cfg.prefill_cost_scale) == (0, 2048)
     assert serve_config(["--cuda-graphs", "lazy"]).engine.cuda_graphs == "lazy"

@@ -39,6 +39,9 @@ class Case:
     # tokens with context 0 after it; real rows must not change, padding rows come out 0
     pad_rows: int = 0
     pad_tokens: int = 0
+    # ... and `empty_rows` chunk rows of no token and context 0 before the padding sequence
+    # (a graph of up to K chunks replaying a step of fewer)
+    empty_rows: int = 0
     short_context: int = 0  # decode: rows up to this long stay one piece (the backend's 1,024)
     short_piece: int = 0  # decode: ... or pieces of this many keys (DecodeLaunch.short_piece)
     # prefill: the first `split_decode` sequences (one token each) through paged_decode, the
@@ -140,6 +143,19 @@ CASES: dict[str, Case] = {
     ),
     "prefill_mixed_graph_padding_unsplit": Case(
         "prefill", [33, 70], [1, 17], kv_heads=1, pad_rows=1, pad_tokens=15
+    ),
+    # two chunks and two empty chunk rows: a step of 2 chunks in a graph of up to 4
+    "prefill_mixed_graph_chunks": Case(
+        "prefill",
+        [40, 90, 150, 61],
+        [1, 1, 24, 9],
+        pad_rows=2,
+        empty_rows=2,
+        pad_tokens=8,
+        num_partitions=3,
+    ),  # fmt: skip
+    "prefill_mixed_graph_chunks_unsplit": Case(
+        "prefill", [33, 200, 70], [1, 30, 17], kv_heads=1, empty_rows=3, pad_tokens=15
     ),
     # the backend's forward (TritonPagedAttention, its own launch choices) over a mixed step,
     # split (triton-split) and in one launch: both against the oracle
@@ -266,7 +282,7 @@ def _run_case(name: str) -> dict:
             whole = _one_piece_rows_equal_whole(c, case, q, out)
     elif c.kind == "backend":
         return _run_backend(name, c, case, q_lens)
-    elif c.pad_rows or c.pad_tokens:
+    elif c.pad_rows or c.pad_tokens or c.empty_rows:
         return _run_padded(name, c, case, q_lens)
     else:
         _prefill(
@@ -391,7 +407,8 @@ def _short_rows_solo_equal(c: Case, case: object, q: object, batched: object) ->
 
 
 def _run_padded(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
-    """The mixed-graph layout: [seqs but the last][pad_rows x (q 1, ctx 0)][last][pad seq]."""
+    """The mixed-graph layout: [seqs but the last][pad_rows x (q 1, ctx 0)][last]
+    [empty_rows x (q 0, ctx 0)][pad seq]."""
     import torch
 
     from tests.paged_cases import reference, rel_err
@@ -401,12 +418,13 @@ def _run_padded(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
     pad_q = torch.randn(c.pad_rows + c.pad_tokens, c.heads, c.head_dim).to(case.q.dtype)
     q = torch.cat([case.q[:head_tokens], pad_q[: c.pad_rows], case.q[head_tokens:],
                    pad_q[c.pad_rows:]])  # fmt: skip
-    lens = q_lens[:-1] + [1] * c.pad_rows + q_lens[-1:] + ([c.pad_tokens] if c.pad_tokens else [])
+    tail = [0] * c.empty_rows + ([c.pad_tokens] if c.pad_tokens else [])  # q lens
+    lens = q_lens[:-1] + [1] * c.pad_rows + q_lens[-1:] + tail
     ctx = case.context_lens.tolist()
-    ctx = ctx[:-1] + [0] * c.pad_rows + ctx[-1:] + ([0] if c.pad_tokens else [])
+    ctx = ctx[:-1] + [0] * c.pad_rows + ctx[-1:] + [0] * len(tail)
     tables = case.block_tables.tolist()
     zero = [0] * len(tables[0])
-    tables = tables[:-1] + [zero] * c.pad_rows + tables[-1:] + ([zero] if c.pad_tokens else [])
+    tables = tables[:-1] + [zero] * c.pad_rows + tables[-1:] + [zero] * len(tail)
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
