@@ -116,7 +116,9 @@ class StepGraphs:
         self.mixed = mixed
         self.mixed_partitions = mixed_partitions
         self.max_gather_tokens = max_gather_tokens
-        self.chunks = chunk_buckets(mixed.max_chunk) if mixed is not None else []
+        self.chunks = (
+            chunk_buckets(mixed.max_chunk, mixed.max_chunks > 1) if mixed is not None else []
+        )
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pending: dict[GraphKey, None] = {}  # ordered set: misses first, then the plan
         self._pool: tuple[int, int] | None = None

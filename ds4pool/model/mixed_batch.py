@@ -186,10 +186,16 @@ class MixedBatch:
         return self.tok[LOGIT_ROWS, : shape.bucket + self.max_chunks]
 
 
-def chunk_buckets(max_chunk: int) -> list[int]:
-    """Chunk sizes 32, 64, 128, ... (×2) up to max_chunk (padding costs < 2× the chunk)."""
+FINE_STEP = 256  # several-chunk graphs: buckets every this many tokens past 512
+
+
+def chunk_buckets(max_chunk: int, several: bool = False) -> list[int]:
+    """Chunk sizes 32, 64, 128, ... (×2) up to max_chunk (padding costs < 2× the chunk).
+    `several` (graphs of several chunks): every FINE_STEP tokens past 512 instead, since the
+    scheduler rounds only a step's first chunk to a bucket and the chunks' total would
+    otherwise pad up to ~2x (5 agents' turns of ~243 tokens: 1,215 → 2,048; now → 1,280)."""
     sizes, c = [], 32
     while c < max_chunk:
         sizes.append(c)
-        c *= 2
+        c = c + FINE_STEP if several and c >= 512 else c * 2
     return [*sizes, max_chunk]

@@ -151,6 +151,10 @@ def test_mixed_batch_lays_out_decodes_chunk_and_padding() -> None:
     assert mixed.table_rows.uploaded_block_ids == sent  # nothing re-sent
     assert chunk_buckets(512) == [32, 64, 128, 256, 512]
     assert chunk_buckets(300) == [32, 64, 128, 256, 300]
+    assert chunk_buckets(2048) == [32, 64, 128, 256, 512, 1024, 2048]
+    fine = [32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert chunk_buckets(2048, several=True) == fine
+    assert chunk_buckets(1000, several=True) == [32, 64, 128, 256, 512, 768, 1000]
 
 
 def test_mixed_batch_lays_out_several_chunks_and_empty_chunk_rows() -> None:
