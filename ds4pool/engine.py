@@ -305,7 +305,9 @@ class Engine:
             self.governor = ThreadGovernor(probe.fewer, probe.more, torch.set_num_threads)
         self.graph_capture = self.runner.capture_graphs(cfg.graph_capture_s)
         self.warm_up: WarmUpReport | None = None
-        if cfg.eager_warm_up and loaded.device.type == "cuda":
+        # Triton backends only: the torch references have no kernels to compile
+        triton = self.runner.backend.name.startswith("triton")
+        if cfg.eager_warm_up and loaded.device.type == "cuda" and triton:
             max_chunk = prefill_tokens(cfg, loaded.device)
             self.warm_up = self.runner.warm_up_eager(max_chunk, cfg.graph_capture_s)
         self.pool = SessionPool(

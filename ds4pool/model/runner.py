@@ -259,10 +259,15 @@ class ModelRunner:
 
     def warm_up_eager(self, max_chunk: int, max_seconds: float) -> WarmUpReport:
         """Run the eager steps of `warm_up.eager_shapes` (prompt chunks of up to `max_chunk`
-        tokens) over the scratch block only, for at most max_seconds: what a step that runs
-        without a CUDA graph compiles (Triton) or picks (cuBLAS) is done before serving."""
+        tokens, contexts up to what the model and the KV pool hold) over the scratch block
+        only, for at most max_seconds: what a step that runs without a CUDA graph compiles
+        (Triton) or picks (cuBLAS) is done before serving. An optimisation, never a reason
+        not to serve: a step that fails (out of memory: a backend whose prompt attention
+        materialises scores, as the latent one's torch reference does at long contexts)
+        ends the warm-up with a warning, and serving starts with the rest left out."""
         t0 = time.perf_counter()
-        shapes = eager_shapes(self.max_model_len, max_chunk, self.batch.max_rows)
+        max_len = min(self.max_model_len, self.num_blocks * self.block_size)
+        shapes = eager_shapes(max_len, max_chunk, self.batch.max_rows)
         scratch = self.layout.num_blocks  # block id of the scratch block
         bs, done = self.block_size, 0
         for shape in shapes:
@@ -270,16 +275,22 @@ class ModelRunner:
                 break
             table = [scratch] * -(-(shape.context + shape.chunk) // bs)
             rows = [SeqInput([0], shape.context, table) for _ in range(shape.decode_rows)]
-            self.wait(
-                self.launch([*rows, SeqInput([0] * shape.chunk, shape.context, table)], eager=True)
-            )
+            chunk = SeqInput([0] * shape.chunk, shape.context, table)
+            try:
+                self.wait(self.launch([*rows, chunk], eager=True))
+            except Exception as exc:  # logged: serving goes on without the rest
+                self._launched = 0
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                log.warning("eager warm-up stopped at %s: %s", shape, str(exc)[:200])
+                break
             done += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         report = WarmUpReport(done, time.perf_counter() - t0, len(shapes) - done)
         log.info(
             "ran %d eager warm-up steps in %.1f s (kernel variants of steps without a graph); "
-            "%d left out by the time bound",
+            "%d left out",
             report.steps,
             report.seconds,
             report.left,

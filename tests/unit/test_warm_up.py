@@ -4,6 +4,9 @@ blocks hold KV and steps after it compute the same tokens."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from ds4pool.model.runner import SeqInput
@@ -37,3 +40,40 @@ def test_the_time_bound_leaves_the_rest_out() -> None:
     report = r.warm_up_eager(max_chunk=64, max_seconds=0.0)
     total = len(eager_shapes(r.max_model_len, 64, r.batch.max_rows))
     assert report.steps <= 1 and report.steps + report.left == total  # the log says how many
+
+
+def test_a_failing_step_ends_the_warm_up_with_a_warning_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = tiny_runner(vocab=97, seed=3, block_size=16)
+    launch, calls = r.launch, []
+
+    def failing(*args: object, **kw: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (as a long context's scores)")
+        return launch(*args, **kw)  # type: ignore[arg-type]
+
+    r.launch = failing  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="ds4pool.model.runner"):
+        report = r.warm_up_eager(max_chunk=64, max_seconds=600)
+    assert report.steps == 2 and report.left == len(eager_shapes(256, 64, r.batch.max_rows)) - 2
+    assert "eager warm-up stopped at WarmShape" in caplog.text and "out of memory" in caplog.text
+    r.launch = launch  # type: ignore[method-assign]
+    assert r.step([SeqInput([5, 9, 13], 0, [0])]).sampled[0] is not None  # serving goes on
+
+
+def test_contexts_stop_at_what_the_pool_holds() -> None:
+    """No warm-up step at a context the KV pool could never hold for a request."""
+    r = tiny_runner(vocab=97, seed=3, block_size=16)  # 128 blocks of 16: 2,048 tokens
+    r.max_model_len = 100_000  # as a long-context model's
+    shapes = []
+    real = r.launch
+
+    def record(seqs: list[SeqInput], *a: object, **kw: object) -> object:
+        shapes.append(max(s.context_len for s in seqs))
+        return real(seqs, *a, **kw)  # type: ignore[arg-type]
+
+    r.launch = record  # type: ignore[method-assign]
+    r.warm_up_eager(max_chunk=64, max_seconds=600)
+    assert max(shapes) == 128 * 16
