@@ -191,7 +191,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=120.0,
         help="longest start-up capture (ahead); graphs left out are captured when idle. "
-        "Also the bound of the eager warm-up that follows it",
+        "The eager warm-up that follows gets as long again",
     )
     _flag(
         g,
