@@ -49,8 +49,8 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[1],
-        help="prompt chunks in a mixed step, each count in turn (several: eager, as the "
-        "agents' bursts)",
+        help="prompt chunks in a mixed step, each count in turn (several: eager unless "
+        "--graph-chunks covers them, as the agents' bursts)",
     )
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument(
@@ -221,7 +221,7 @@ def profile_mixed(
     trace: str | None = None,
 ) -> None:
     """One mixed step: the decoders plus `count` prompt chunks of `chunk` tokens at `ctx`
-    (one: a mixed-step graph where it fits; several run eagerly)."""
+    (a mixed-step graph where it fits: one chunk, or up to --graph-chunks; else eager)."""
     tables = [BlockTable(16) for _ in range(count)]
     for table in tables:
         table.ensure(pool, ctx + chunk)
@@ -239,7 +239,8 @@ def profile_mixed(
         for _ in range(2):
             runner.step(step)
     what = f"a {chunk}-token chunk" if count == 1 else f"{count} chunks of {chunk} tokens"
-    print(f"\n## mixed: {len(decoders)} decoders + {what} at context {ctx}")
+    how = "eager" if runner.launches_eagerly(step) else "graph replay"
+    print(f"\n## mixed: {len(decoders)} decoders + {what} at context {ctx} ({how})")
     kernels, device_ms = kernel_table(prof, 2, top)
     gap_table(prof, 2, top)
     if trace:
