@@ -21,7 +21,8 @@ turn is matched to its request (X-Session-Id `agent-<i>-<seed>`, turns in order)
              came before the handler (reading and routing the request)
 
 Prints p50 / p90 in ms of each part, first turns and resumed turns apart, then the steps: how
-many, their length by the number of prompt chunks they carried, the slow ones (over 3x
+many, how many of them ran eagerly (no CUDA graph), their length by the number of prompt
+chunks they carried, the slow ones (over 3x
 the median of their kind, with the idle time before them), and the prompts' busy
 periods: requests whose time from arrival to first token overlaps, chained (a request that
 arrives before the period's last first token joins it). Agents that line up (every turn
@@ -180,21 +181,26 @@ def chunk_group(step: dict) -> int:
 
 
 def step_lines(steps: list[dict]) -> list[str]:
-    by_chunks: dict[int, list[tuple[float, float | None]]] = {}
+    """Steps by prompt chunks: how many, how many of them ran eagerly (no CUDA graph: the
+    trace marks them from the overlapped loop), their length and their launch call."""
+    by_chunks: dict[int, list[tuple[float, float | None, bool]]] = {}
     for s in steps:
         k = chunk_group(s)
         ret = (s["ret"] - s["t0"]) * 1e3 if "ret" in s else None
-        by_chunks.setdefault(k, []).append(((s["t1"] - s["t0"]) * 1e3, ret))
+        by_chunks.setdefault(k, []).append(((s["t1"] - s["t0"]) * 1e3, ret, bool(s.get("eager"))))
     lines = [
-        "| prompt chunks | steps | launch → results p50 / p90 (ms) | launch call p50 / p90 (ms) |",
-        "|---:|---:|---:|---:|",
+        "| prompt chunks | steps | eager | launch → results p50 / p90 (ms) | "
+        "launch call p50 / p90 (ms) |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for k in sorted(by_chunks):
-        v = [a for a, _ in by_chunks[k]]
-        r = [b for _, b in by_chunks[k] if b is not None]
+        v = [a for a, _, _ in by_chunks[k]]
+        r = [b for _, b, _ in by_chunks[k] if b is not None]
+        eager = sum(e for _, _, e in by_chunks[k])
         label = f"{k}+" if k == 9 else str(k)
         call = f"{pct(r, 50):,.1f} / {pct(r, 90):,.1f}" if r else "n/a"
-        lines.append(f"| {label} | {len(v):,} | {pct(v, 50):,.1f} / {pct(v, 90):,.1f} | {call} |")
+        times = f"{pct(v, 50):,.1f} / {pct(v, 90):,.1f}"
+        lines.append(f"| {label} | {len(v):,} | {eager:,} | {times} | {call} |")
     return lines
 
 

@@ -105,6 +105,7 @@ class Launched:
     event: torch.cuda.Event | None
     logits: torch.Tensor | None
     device_sampled: torch.Tensor | None = None  # [R] int64 on the device: what a step fed reads
+    eager: bool = False  # a prompt step run op by op (no CUDA graph for it): the trace says so
 
 
 BACKENDS = ("auto", "torch", "triton", "triton-split")
@@ -381,6 +382,7 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.sample]
         decode = self._is_decode(seqs)
         assert decode or not fed, "only a decode step can be fed"
+        ran_eagerly = False
         if decode:
             logits = self._decode_logits(seqs, fed, feed)  # [B, V], every row
             if len(rows) != len(seqs):  # after the forward's kernels: a pinned upload
@@ -390,8 +392,9 @@ class ModelRunner:
             logits = self._mixed_logits(seqs, rows, shape)
         else:
             logits = self._eager_logits(seqs, rows)
-        if not rows:
-            return Launched(len(seqs), rows, None, None, None)  # nothing to wait for
+            ran_eagerly = True
+        if not rows:  # nothing to wait for
+            return Launched(len(seqs), rows, None, None, None, eager=ran_eagerly)
         logits = logits.float()  # [R, V]
         masked = [(j, m) for j, i in enumerate(rows) if (m := seqs[i].token_bitmask) is not None]
         if masked:  # out of place: logits may be a CUDA graph's static output buffer
@@ -417,7 +420,7 @@ class ModelRunner:
             event.record()
         self._launched += 1
         logits_out = logits if return_logits else None
-        return Launched(len(seqs), rows, sampled_t, event, logits_out, on_device)
+        return Launched(len(seqs), rows, sampled_t, event, logits_out, on_device, ran_eagerly)
 
     def wait(self, launched: Launched) -> StepOutput:
         """The one host sync of a step: its sampled ids (steps are waited in launch order)."""

@@ -3,7 +3,8 @@
 `--trace-steps PATH` writes one line per step once its results are in:
 
     {"t0": launch, "ret": launch returned, "t1": results in, "host": exposed host s,
-     "decode": rows of one token,
+     "decode": rows of one token, "eager": 1 (only where a prompt step ran op by op, no
+     CUDA graph for it; the overlapped loop's steps, which CUDA runs),
      "chunks": [[request id, tokens, first position, prompt length], ...],
      "new": [{"rid", "session", "received", "arrival", "admitted"}, ...]}
 
@@ -53,10 +54,12 @@ class StepTrace:
         t_ready: float,
         host: float,
         returned: float | None = None,
+        eager: bool = False,
     ) -> None:
         """One step whose results are in (after writeback advanced its rows: a row's
         num_computed already counts its chunk). perf_counter times; `returned`: when its
-        launch gave the host back (None where launch and wait are one call)."""
+        launch gave the host back (None where launch and wait are one call); `eager`: a
+        prompt step the runner ran op by op (no CUDA graph for it)."""
         decode, chunks, new = 0, [], []
         for seq, n in zip(step.seqs, step.counts):
             prompt = len(seq.prompt_ids)
@@ -85,6 +88,8 @@ class StepTrace:
         }
         if returned is not None:
             line["ret"] = round(returned + self._offset, 6)
+        if eager:
+            line["eager"] = 1
         if new:
             line["new"] = new
         self._write(line)

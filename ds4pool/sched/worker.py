@@ -203,7 +203,7 @@ class Worker:
         # which is what the overlapped loop (settle N while N+1 runs) wins back, in part
         host = (t0 - t_plan) + (time.perf_counter() - t1)
         sched.observer.step(len(step.seqs), sum(step.counts), t1 - t0, host)
-        if self.trace is not None:
+        if self.trace is not None:  # (no "eager" mark: the overlapped loop's launches have it)
             self.trace.step(step, t0, t1, host)
 
     def _step_overlapped(self) -> None:
@@ -238,7 +238,8 @@ class Worker:
                 self._idle_left = self._idle is not None
                 sched.observer.step(len(prev.step.seqs), sum(prev.step.counts), step_s, prev.host)
                 if self.trace is not None:
-                    self.trace.step(prev.step, prev.t0, t_ready, prev.host, prev.returned)
+                    eager = getattr(prev.launched, "eager", False)
+                    self.trace.step(prev.step, prev.t0, t_ready, prev.host, prev.returned, eager)
         self._ready_at = t_ready
         if self._ahead_failed is not None:  # its requests' prev rows are advanced: fail them
             (failed, exc), self._ahead_failed = self._ahead_failed, None

@@ -497,3 +497,25 @@ def test_rows_that_need_their_token_on_the_host_never_go_ahead(loaded: LoadedMod
     finally:
         e.close()
     assert fed[0] > 0
+
+
+def test_the_trace_marks_the_prompt_steps_that_ran_eagerly(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    """--trace-steps with the overlapped loop: a prompt step the runner ran op by op (on CPU
+    every one: no CUDA graphs) says "eager": 1; decode steps say nothing."""
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    e = engine(loaded, "on", trace_steps=path)
+    try:
+        run_all(e, [Request(session_id=f"t{i}", prompt_text=prompt(loaded, i), max_tokens=6)
+                    for i in range(2)])  # fmt: skip
+    finally:
+        e.close()
+    steps = [json.loads(x) for x in path.read_text().splitlines() if '"t0"' in x]
+    prompt_steps = [s for s in steps if s["chunks"]]
+    decode_steps = [s for s in steps if not s["chunks"]]
+    assert prompt_steps and decode_steps
+    assert all(s.get("eager") == 1 for s in prompt_steps)
+    assert not any("eager" in s for s in decode_steps)

@@ -33,3 +33,13 @@ def test_a_slow_step_is_listed_with_the_idle_time_before_it() -> None:
 def test_no_step_is_slow_in_a_steady_trace() -> None:
     steps = [step(i * 0.02, 10 + i % 3, 1) for i in range(20)]
     assert trace_report.slow_steps(steps)[0].startswith("0 steps")
+
+
+def test_the_step_table_counts_the_steps_that_ran_eagerly() -> None:
+    steps = [step(0.0, 50, 8), step(0.06, 20, 8), step(0.09, 10, 1)]
+    steps[0]["eager"] = 1
+    lines = trace_report.step_lines(steps)
+    assert lines[0].startswith("| prompt chunks | steps | eager |")
+    rows = {r.strip("|").split("|")[0].strip(): r.strip("|").split("|") for r in lines[2:]}
+    assert (rows["8"][1].strip(), rows["8"][2].strip()) == ("2", "1")
+    assert (rows["1"][1].strip(), rows["1"][2].strip()) == ("1", "0")
