@@ -26,7 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from ds4pool.model import attention_cpu
-from ds4pool.model.device import upload
+from ds4pool.model.device import host_ints, upload
 from ds4pool.model.kv_layout import KVLayout
 
 
@@ -136,7 +136,7 @@ def build_metadata(
     def tensor(
         values: list[int] | list[list[int]], dtype: torch.dtype = torch.int64
     ) -> torch.Tensor:
-        return upload(torch.tensor(values, dtype=dtype), device)
+        return upload(host_ints(values, dtype), device)
 
     query_start = [0]
     for q in query_lens:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4pool.model.attention import AttentionMetadata
-from ds4pool.model.device import upload
+from ds4pool.model.device import host_ints, upload
 from ds4pool.model.kv_layout import KVLayout
 
 IDS, POSITIONS, SLOTS, CONTEXT = range(4)
@@ -103,7 +103,7 @@ class TableRows:
         if vals:
             # pinned: a pageable copy would wait for every queued kernel (the step before,
             # still running when this one is launched ahead)
-            diff = upload(torch.tensor([rows, cols, vals], dtype=torch.int64), self.device)
+            diff = upload(host_ints([rows, cols, vals]), self.device)
             self.tables[diff[0], diff[1]] = diff[2].to(self.tables.dtype)
             self.uploaded_block_ids += len(vals)
         self._diff = ([], [], [])
@@ -193,7 +193,7 @@ class InputBatch:
         if rows[-1] == m - 1 and sources == rows:  # the steady case: the same rows in order
             ids[:m].copy_(sampled[:m])
             return
-        index = upload(torch.tensor([rows, sources], dtype=torch.int64), self.device)
+        index = upload(host_ints([rows, sources]), self.device)
         ids.index_copy_(0, index[0], sampled.index_select(0, index[1]))
 
     def metadata(

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4pool.model.attention import AttentionMetadata
+from ds4pool.model.device import host_ints
 from ds4pool.model.input_batch import DecodeRow, TableRows, stage_decode_rows
 from ds4pool.model.kv_layout import KVLayout
 
@@ -146,11 +147,11 @@ class MixedBatch:
         starts.append(t)
         rows = [j if j < b else lasts[j - b] for j in sampled]
         rows += [0] * (t - len(rows))
-        self._tok_host[:, :t] = torch.tensor([ids, pos, slots, rows], dtype=torch.int64)
+        self._tok_host[:, :t] = host_ints([ids, pos, slots, rows])
         self.tok[:, :t].copy_(self._tok_host[:, :t], non_blocking=True)
         n_seqs = self.num_seqs(shape)
-        self._seqs_host[CONTEXT, :n_seqs] = torch.tensor(ctx, dtype=self.seqs.dtype)
-        self._seqs_host[QUERY_START, : n_seqs + 1] = torch.tensor(starts, dtype=self.seqs.dtype)
+        self._seqs_host[CONTEXT, :n_seqs] = host_ints(ctx, self.seqs.dtype)
+        self._seqs_host[QUERY_START, : n_seqs + 1] = host_ints(starts, self.seqs.dtype)
         self.seqs[:, : n_seqs + 1].copy_(self._seqs_host[:, : n_seqs + 1], non_blocking=True)
         self.table_rows.upload()
         return max(ctx)

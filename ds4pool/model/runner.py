@@ -39,7 +39,7 @@ from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
 from ds4pool.model.attention_mla_triton import TritonMLAAttention
 from ds4pool.model.attention_triton import TritonPagedAttention, triton_available
 from ds4pool.model.cuda_graphs import MODES, CaptureReport, StepGraphs, default_buckets
-from ds4pool.model.device import upload
+from ds4pool.model.device import host_ints, upload
 from ds4pool.model.grammar import apply_token_bitmask
 from ds4pool.model.input_batch import DecodeRow, InputBatch
 from ds4pool.model.kv_layout import KVLayout
@@ -512,13 +512,13 @@ class ModelRunner:
             self.backend.index_dtype,
         )
         flat = [t for s in seqs for t in s.token_ids]
-        ids = upload(torch.tensor(flat, dtype=torch.int64), self.device)
+        ids = upload(host_ints(flat), self.device)
         ends, total = [], 0
         for s in seqs:
             total += len(s.token_ids)
             ends.append(total - 1)
         # uploaded before the forward's kernels are queued, or through pinned memory: a
         # pageable copy after them would hold this launch until the device ran them all
-        last = upload(torch.tensor([ends[i] for i in rows], dtype=torch.int64), self.device)
+        last = upload(host_ints([ends[i] for i in rows]), self.device)
         hidden = self.model(ids, self.kv_caches, meta)  # [T, E]
         return self.model.compute_logits(hidden[last])  # [R, V]

@@ -198,3 +198,20 @@ def test_mixed_batch_lays_out_several_chunks_and_empty_chunk_rows() -> None:
     meta = mixed.metadata(shape, width=16, partitions=1)
     assert meta.context_lens.tolist() == [6, 10, 0, 0, 21, 0, 0, 0, 0]
     assert meta.query_start.tolist() == [0, 1, 2, 3, 4, 11, 11, 11, 11, 36]
+
+
+def test_host_ints_gives_torch_tensors_values_and_dtypes() -> None:
+    """device.host_ints (numpy's list conversion) builds what torch.tensor() would: flat and
+    nested lists, int64 and int32 (block tables), empty ones; an id past int32 is an error."""
+    import pytest
+
+    from ds4pool.model.device import host_ints
+
+    for values in ([3, 0, 2**40], [[1, 2, 3], [4, 5, 6]], [], [[], []]):
+        got, want = host_ints(values), torch.tensor(values, dtype=torch.int64)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    tables = [[7, 8, 0], [9, 0, 0]]
+    assert torch.equal(host_ints(tables, torch.int32), torch.tensor(tables, dtype=torch.int32))
+    assert host_ints(tables, torch.int32).dtype == torch.int32
+    with pytest.raises(OverflowError):
+        host_ints([2**31], torch.int32)
