@@ -32,6 +32,12 @@ class PagedLayout(Protocol):
         """Flat slots of token positions [start, end) of a sequence with these blocks."""
         ...
 
+    def slot_tensor(
+        self, blocks: Sequence[int], start: int, end: int, device: torch.device
+    ) -> torch.Tensor:
+        """`slots` as an int64 tensor on `device` (no list of every token's slot)."""
+        ...
+
 
 @dataclass(frozen=True)
 class DeviceKV:
@@ -52,7 +58,7 @@ def gather_to_host(kv: DeviceKV, blocks: Sequence[int], num_tokens: int) -> torc
     out = host_buffer(shape, first.dtype, kv.device)
     if num_tokens == 0:
         return out
-    slots = torch.tensor(kv.layout.slots(blocks, 0, num_tokens), device=kv.device)
+    slots = kv.layout.slot_tensor(blocks, 0, num_tokens, kv.device)
     if kv.device.type == "cpu":  # straight into the host tensor: one pass over the bytes
         for layer, cache in enumerate(kv.caches):
             torch.index_select(kv.layout.token_view(cache), 1, slots, out=out[layer])
@@ -73,7 +79,7 @@ def scatter_from_host(
     """Write the first num_tokens tokens of `host` into the device blocks."""
     if num_tokens == 0:
         return
-    slots = torch.tensor(kv.layout.slots(blocks, 0, num_tokens), device=kv.device)
+    slots = kv.layout.slot_tensor(blocks, 0, num_tokens, kv.device)
     for layer, cache in enumerate(kv.caches):
         src = host[layer][:, :num_tokens].to(kv.device, non_blocking=True)
         kv.layout.token_view(cache).index_copy_(1, slots, src)
@@ -87,8 +93,8 @@ def synchronize(kv: DeviceKV) -> None:
 
 def copy_block(kv: DeviceKV, src: int, dst: int, block_size: int) -> None:
     """Copy device block src's K and V into block dst, every layer (copy-on-write)."""
-    src_slots = torch.tensor(kv.layout.slots([src], 0, block_size), device=kv.device)
-    dst_slots = torch.tensor(kv.layout.slots([dst], 0, block_size), device=kv.device)
+    src_slots = kv.layout.slot_tensor([src], 0, block_size, kv.device)
+    dst_slots = kv.layout.slot_tensor([dst], 0, block_size, kv.device)
     for cache in kv.caches:
         view = kv.layout.token_view(cache)  # [2, slots, H_kv, D]
         view.index_copy_(1, dst_slots, view.index_select(1, src_slots))

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ds4pool.model.device import host_ints, upload
+
 # Planes per token of each layout kind, and back.
 PLANES_OF: dict[str, int] = {"kv": 2, "mla": 1}
 KIND_OF: dict[int, str] = {p: k for k, p in PLANES_OF.items()}
@@ -121,3 +123,19 @@ class KVLayout:
         """Flat slots of token positions [start, end) of a sequence with these blocks."""
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def slot_tensor(
+        self, blocks: Sequence[int], start: int, end: int, device: torch.device
+    ) -> torch.Tensor:
+        """`slots` as an int64 tensor on `device`, computed there from the ids of the blocks
+        the range spans (one small upload, pinned on CUDA): a session's restore or snapshot
+        copy of 30k tokens built the list and its tensor in 5.4 ms of host time on the 2-core
+        VM (0.24 ms this way), and on CUDA torch.tensor(..., device=) is a pageable copy,
+        which waits for every kernel queued (the step in flight)."""
+        bs = self.block_size
+        if end <= start:
+            return torch.empty(0, dtype=torch.int64, device=device)
+        first = start // bs
+        ids = upload(host_ints(list(blocks[first : -(-end // bs)])), device)
+        pos = torch.arange(start, end, device=device)
+        return ids[pos // bs - first] * bs + pos % bs

@@ -215,3 +215,14 @@ def test_host_ints_gives_torch_tensors_values_and_dtypes() -> None:
     assert host_ints(tables, torch.int32).dtype == torch.int32
     with pytest.raises(OverflowError):
         host_ints([2**31], torch.int32)
+
+
+def test_slot_tensor_is_slots_on_the_device() -> None:
+    """KVLayout.slot_tensor (restores, snapshots, copy-on-write) equals the list `slots`
+    builds, for ranges that start and end inside blocks, empty ones included."""
+    layout = KVLayout(2, 64, 4, 2, 8, torch.float32)
+    blocks = [9, 3, 40, 7, 21]
+    for start, end in ((0, 20), (0, 1), (5, 18), (4, 8), (7, 7), (19, 20)):
+        got = layout.slot_tensor(blocks, start, end, torch.device("cpu"))
+        assert got.dtype == torch.int64
+        assert got.tolist() == layout.slots(blocks, start, end), (start, end)
