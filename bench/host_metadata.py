@@ -7,7 +7,9 @@ The default shape is run L's wave step (docs/BENCHMARKS.md): 24 decode rows next
 chunks of 243 tokens over ~2.9k-token contexts, the step an eager launch or a several-chunk
 mixed graph (`MixedBatch.load`) prepares on the host before its device work can start. Prints
 the median of each conversion, then the whole `build_metadata` and `MixedBatch.load` as the
-code runs them now. CPU only; the host work is the same in front of a GPU.
+code runs them now, then the slot indices of a session's KV move (demotion, restore) built
+the old way and by `KVLayout.slot_tensor`. CPU only; the host work is the same in front of a
+GPU.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=243)
     ap.add_argument("--context", type=int, default=2900)
     ap.add_argument("--repeat", type=int, default=300)
+    ap.add_argument("--session-tokens", type=int, default=30000)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     per = -(-(args.context + args.chunk) // BS)
@@ -90,6 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|")
     print(f"| build_metadata (eager step) | {built:,.0f} |")
     print(f"| MixedBatch.load (several-chunk graph) | {loaded:,.0f} |")
+
+    # a session's KV move (kv/transfer.py): the slots of every token it copies
+    n = args.session_tokens
+    move = KVLayout(1, -(-n // BS) + 1, BS, 8, 128, torch.bfloat16)
+    blocks = list(range(-(-n // BS)))
+    listed = median_us(lambda: torch.tensor(move.slots(blocks, 0, n), device=cpu), 50)
+    computed = median_us(lambda: move.slot_tensor(blocks, 0, n, cpu), 50)
+    print(f"\n| slots of a {n:,}-token KV move | µs |")
+    print("|---|---:|")
+    print(f"| list of every slot -> torch.tensor (before) | {listed:,.0f} |")
+    print(f"| KVLayout.slot_tensor (now) | {computed:,.0f} |")
     return 0
 
 
