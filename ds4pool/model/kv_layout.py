@@ -24,8 +24,10 @@ are laid out [P, H_kv, num_blocks + 1, block_size, D] and the tensor is a permut
 them. Then one KV head of a run of consecutive blocks is one contiguous [L, D] matrix, and
 the CPU decode kernel (attention_cpu) reads it 1.1-1.9x faster per layer than the same keys
 interleaved with the other heads (docs/BENCHMARKS.md, "head-major"). Block and slot
-indexing, `token_view` and index_select/index_copy_ work unchanged on the permuted view; the
-Triton kernels need the plain contiguous order, so CUDA keeps it.
+indexing, `token_view` and index_select/index_copy_ work unchanged on the permuted view, but
+index_select along the slot axis copies the whole layer to a contiguous temporary first
+(45 ms for a block out of a demo layer): read slots by indexing (`view[:, slots]`, 7 µs;
+kv/transfer.py). The Triton kernels need the plain contiguous order, so CUDA keeps it.
 """
 
 from __future__ import annotations
