@@ -129,7 +129,7 @@ class MixedBatch:
             start, n = chunk.num_computed, len(chunk.token_ids)
             ids += list(chunk.token_ids)
             pos += list(range(start, start + n))
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += self.layout.slots(table, start, start + n)
             ctx.append(start + n)
             self.table_rows.stage(bb + i, table, chunk.seq_id, chunk.table_epoch)
             starts.append(starts[-1] + n)

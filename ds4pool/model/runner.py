@@ -386,7 +386,7 @@ class ModelRunner:
         if decode:
             logits = self._decode_logits(seqs, fed, feed)  # [B, V], every row
             if len(rows) != len(seqs):  # after the forward's kernels: a pinned upload
-                index = upload(torch.tensor(rows, dtype=torch.int64), self.device)
+                index = upload(host_ints(rows), self.device)
                 logits = logits.index_select(0, index)
         elif not eager and (shape := self._mixed_shape(seqs)) is not None:
             logits = self._mixed_logits(seqs, rows, shape)
