@@ -133,8 +133,12 @@ class Tokenizer:
 
         Special-token strings inside `text` encode as those special tokens. Text rendered by
         `apply_chat_template` already carries bos: encode it with add_special_tokens=False.
+
+        Through `encode_batch`, which lets go of the GIL while it tokenizes (`encode` holds it:
+        ~9 ms for a 15k-token prompt, during which the step thread, which needs the GIL back
+        after each of its hundreds of launches, waits; bench/gil_convoy.py).
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside [0, vocab_size) are skipped. Invalid UTF-8 becomes U+FFFD.

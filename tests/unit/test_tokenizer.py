@@ -114,6 +114,15 @@ def test_round_trip_is_exact_for_any_unicode(demo: Tokenizer, text: str) -> None
     assert all(0 <= i < demo.vocab_size for i in ids)
 
 
+@pytest.mark.parametrize("special", [False, True])
+def test_encode_gives_the_tokenizers_own_ids(demo: Tokenizer, special: bool) -> None:
+    """Tokenizer.encode goes through encode_batch (it lets go of the GIL, so the step thread
+    runs while a request is tokenized): the ids are those of the tokenizer's encode."""
+    for text in UNICODE_TEXTS:
+        want = demo.backend.encode(text, add_special_tokens=special).ids
+        assert demo.encode(text, add_special_tokens=special) == want
+
+
 def test_encode_prepends_bos_only_with_special_tokens(demo: Tokenizer) -> None:
     with_bos = demo.encode("hello")
     assert with_bos[0] == demo.bos_token_id
