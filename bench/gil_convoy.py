@@ -160,7 +160,7 @@ def main() -> None:
     try:
         for work in args.work:
             for us in args.intervals_us:
-                sys.setswitchinterval(us * 1e-6)
+                sys.setswitchinterval(us / 1e6)
                 alone = [step() for _ in range(args.steps)]
                 with PromptThreads(tok, messages, args.threads, work) as busy:
                     time.sleep(0.05)

@@ -20,6 +20,8 @@ from ds4pool.output.detect import REASONING_FORMATS, TOOL_FORMATS
 from ds4pool.threads import server_cpu_threads
 
 _TRUE = ("1", "true", "yes", "on")
+# GIL switch interval of a server process, µs (set_gil_switch says why not CPython's 5,000)
+GIL_SWITCH_US = 200.0
 
 
 def env_default(dest: str, fallback: Any) -> Any:
@@ -319,6 +321,15 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     _flag(s, "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _flag(
         s,
+        "--gil-switch-us",
+        type=float,
+        default=GIL_SWITCH_US,
+        help="how long a thread running Python keeps the GIL while another waits for it, µs "
+        "(CPython: 5000). The step thread takes it back after each of a step's launches; "
+        "the API's threads hold it while they parse and render requests",
+    )
+    _flag(
+        s,
         "--trace-steps",
         type=Path,
         default=None,
@@ -426,6 +437,18 @@ def build_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
     )
 
 
+def set_gil_switch(us: float) -> None:
+    """The process's GIL switch interval (`sys.setswitchinterval`). The step thread releases
+    the GIL around each of its launches (hundreds in an eager step) and must take it back
+    each time; while an API thread runs Python (a wave of requests parsed and rendered),
+    CPython hands it back only after that thread has held it for the interval. At 5 ms a
+    demo step beside a thread rendering chat templates ran 1,264x slower than alone, at
+    200 µs 35x, the renders 3-10% fewer a second (bench/gil_convoy.py; docs/BENCHMARKS.md)."""
+    if not us > 0:
+        raise Ds4poolError(f"--gil-switch-us must be > 0, not {us:g}")
+    sys.setswitchinterval(us / 1e6)  # (us * 1e-6 would be 199 µs: CPython truncates)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -433,6 +456,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ds4pool.serve_drain import DrainingServer
 
     cfg = build_config(args)
+    set_gil_switch(args.gil_switch_us)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -449,8 +473,10 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(cfg, engine, metrics=metrics, own_engine=True)
     freeze_startup_objects()
     logging.getLogger("ds4pool.serve").info(
-        "%d start-up objects moved out of the garbage collector's reach (gc.freeze)",
+        "%d start-up objects moved out of the garbage collector's reach (gc.freeze); GIL "
+        "switch interval %g µs",
         gc.get_freeze_count(),
+        round(sys.getswitchinterval() * 1e6),
     )
     server = DrainingServer(
         uvicorn.Config(

@@ -76,6 +76,7 @@ def test_sigterm_flushes_sessions_and_a_restart_resumes_them(
     assert "model" in log and "KV device" in log  # the startup summary
     # the start-up's objects were frozen: full collections while serving skip them
     assert re.search(r"[1-9]\d* start-up objects moved out of the garbage collector", log)
+    assert "GIL switch interval 200 µs" in log  # the step thread gets the GIL back sooner
     cores = r"(; (\d+) cores, (\d+) logical CPUs)?"
     probe = r"(, (\d+) of (\d+)-(\d+) by a start-up probe: a step \d+ ms with \d+, "
     probe += r"\d+ ms with \d+)?"
@@ -144,6 +145,7 @@ def test_start_up_refusals_are_one_line(demo_dir: Path, tmp_path: Path) -> None:
         port = str(taken.getsockname()[1])
         assert_one_line(serve_refused(demo_dir, "--port", port), port)
     assert_one_line(serve_refused(demo_dir, "--cpu-threads", "0", "--port", "0"), "cpu_threads")
+    assert_one_line(serve_refused(demo_dir, "--gil-switch-us", "0"), "--gil-switch-us")
 
 
 def test_unusable_disk_dir_is_one_line(
