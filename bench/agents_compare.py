@@ -109,7 +109,7 @@ def server_command(
     common = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     variants = dict(args.variant)
     if name == BEFORE:
-        env["PYTHONPATH"] = str(args.before_tree)  # ds4pool as it was at --before-ref
+        env.update(before_env(args.before_tree, env))
     if name in ("ds4pool", "no-batching", BEFORE) or name in variants:
         argv = [sys.executable, "-m", "ds4pool", "serve", "--model", str(model_dir)]
         argv += ["--device", args.device, "--dtype", args.dtype, "--kv-device-gb", str(args.kv_gb)]
@@ -495,7 +495,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--before-ref",
         default=None,
         metavar="REF",
-        help=f"serve {BEFORE} from a git worktree of REF (list {BEFORE} in --servers)",
+        help=f"serve {BEFORE} from a git worktree of REF (list {BEFORE} in --servers), or "
+        "from REF itself where it is a directory holding the ds4pool package as it was (an "
+        "export, `git archive REF ds4pool | tar -x -C DIR`, for a machine without the "
+        "repository's history: the device's copy of the tree)",
     )
     p.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--turns", type=int, default=4)
@@ -601,11 +604,32 @@ def _llama_variant(text: str) -> tuple[str, str]:
     return name, flags
 
 
+def before_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
+    """The environment variables that make `python -m ds4pool` import the package of `tree`:
+    it first on PYTHONPATH (ahead of what the path had: the device image finds the server
+    stack's wheels there), and PYTHONSAFEPATH, without which `-m` puts the working directory
+    first and, run from the repository's root, the code under test shadows the tree (every
+    `ds4pool:before` run before session 41 served the current code: docs/BENCHMARKS.md).
+    Checked: a child with that environment must import ds4pool from `tree`."""
+    paths = (str(tree), env.get("PYTHONPATH", ""))
+    extra = {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONSAFEPATH": "1"}
+    probe = [sys.executable, "-c", "import ds4pool; print(ds4pool.__file__)"]
+    found = subprocess.run(probe, env={**env, **extra}, capture_output=True, text=True)
+    where = Path(found.stdout.strip() or "?").resolve()
+    if found.returncode or not where.is_relative_to(tree.resolve()):
+        raise SystemExit(f"agents_compare: {BEFORE} would import {where}, not {tree}")
+    return extra
+
+
 @contextlib.contextmanager
 def before_tree(ref: str | None) -> Iterator[Path | None]:
-    """A detached git worktree of `ref` for the run (None without a ref), removed after."""
+    """A detached git worktree of `ref` for the run (None without a ref), removed after;
+    `ref` itself where it is a directory with a ds4pool package (an export of a ref)."""
     if ref is None:
         yield None
+        return
+    if (Path(ref) / "ds4pool" / "__init__.py").is_file():
+        yield Path(ref).resolve()
         return
     root = Path(__file__).resolve().parents[1]
     tree = Path(tempfile.mkdtemp(prefix="ds4pool-before-")) / "tree"

@@ -124,6 +124,8 @@ fi
 
 one_run() {  # one server at one N, within the time left; its files under $AC
   local server=$1 n=$2 extra=() left
+  # ds4pool:before serves the package exported to $BEFORE (git archive REF ds4pool), carried
+  [ "$server" = ds4pool:before ] && extra=(--before-ref "${BEFORE:?ds4pool:before needs BEFORE=dir}")
   if [ "$server" = llama-server ]; then
     wait_llama || { echo "llama-server: not built in time"; return; }
     extra=(--gguf /tmp/m8b.gguf --llama-server "$SRC/b/bin/llama-server" --llama-slots agents

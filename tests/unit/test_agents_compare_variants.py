@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,28 @@ def test_a_variant_is_ds4pool_serve_with_its_flags() -> None:
     assert "--max-prefill-tokens" not in plain and client == []
 
 
-def test_before_is_ds4pool_serve_imported_from_the_refs_worktree() -> None:
+def test_before_is_ds4pool_serve_imported_from_the_refs_worktree(tmp_path: Path) -> None:
+    """The ds4pool:before server imports the tree's package, even started from the
+    repository's root, where `python -m` would put the code under test first (it did until
+    session 41: every before/after run compared the current code with itself)."""
+    tree = tmp_path / "tree"
+    (tree / "ds4pool").mkdir(parents=True)
+    (tree / "ds4pool" / "__init__.py").write_text("")
     args = parse_args(["--servers", "ds4pool", "ds4pool:before", "--before-ref", "HEAD~1"])
-    args.before_tree = Path("/tmp/tree")
+    args.before_tree = tree
     argv, env, _ = server_command("ds4pool:before", Path("/m"), 1234, args)
-    assert argv[1:4] == ["-m", "ds4pool", "serve"] and env["PYTHONPATH"] == "/tmp/tree"
+    assert argv[1:4] == ["-m", "ds4pool", "serve"]
+    probe = [argv[0], "-c", "import ds4pool; print(ds4pool.__file__)"]
+    root = Path(__file__).resolve().parents[2]
+    found = subprocess.run(probe, env=env, cwd=root, capture_output=True, text=True, check=True)
+    assert Path(found.stdout.strip()) == tree / "ds4pool" / "__init__.py"
     _, plain_env, _ = server_command("ds4pool", Path("/m"), 1234, args)
-    assert "PYTHONPATH" not in plain_env or plain_env["PYTHONPATH"] != "/tmp/tree"
+    found = subprocess.run(probe, env=plain_env, cwd=root, capture_output=True, text=True)
+    assert Path(found.stdout.strip()) == root / "ds4pool" / "__init__.py"
+    args.before_tree = tmp_path / "empty"  # no package there: refused, not served from main
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="would import"):
+        server_command("ds4pool:before", Path("/m"), 1234, args)
     with pytest.raises(SystemExit):  # ds4pool:before without a ref
         parse_args(["--servers", "ds4pool:before"])
 
