@@ -617,7 +617,10 @@ def before_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
     found = subprocess.run(probe, env={**env, **extra}, capture_output=True, text=True)
     where = Path(found.stdout.strip() or "?").resolve()
     if found.returncode or not where.is_relative_to(tree.resolve()):
-        raise SystemExit(f"agents_compare: {BEFORE} would import {where}, not {tree}")
+        raise SystemExit(
+            f"agents_compare: {BEFORE} would import {where}, not {tree} (PYTHONSAFEPATH "
+            "needs Python 3.11)"
+        )
     return extra
 
 
