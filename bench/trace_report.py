@@ -208,7 +208,9 @@ def slow_steps(steps: list[dict], factor: float = 3.0, top: int = 8) -> list[str
     """Steps that took more than `factor` x the median of the steps with as many prompt
     chunks (as `step_lines` groups them; a compile, a capture, a collection...), longest
     first, with the idle time before them (the previous step's results to this launch; 0
-    for a step launched ahead) and the host time the trace counted: run L's 1.1 s steps."""
+    for a step launched ahead), the host time the trace counted (run L's 1.1 s steps), and
+    the launch call against the step thread's CPU time in it (traces since session 41): a
+    call far longer than its CPU waited, for the GIL or the device (run M's wave steps)."""
     dur = [(s["t1"] - s["t0"]) * 1e3 for s in steps]
     by_group: dict[int, list[float]] = {}
     for s, d in zip(steps, dur):
@@ -226,13 +228,15 @@ def slow_steps(steps: list[dict], factor: float = 3.0, top: int = 8) -> list[str
         f"{len(slow)} steps took over {factor:g}x the median of the steps with as many prompt "
         "chunks",
         "| at (s) | ms | their median ms | decode rows | prompt chunks | idle before (ms) | "
-        "host (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "host (ms) | launch call / its CPU (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d, usual, idle, s in slow[:top]:
+        call = f"{(s['ret'] - s['t0']) * 1e3:,.1f}" if "ret" in s else "n/a"
+        cpu = f"{s['cpu'] * 1e3:,.1f}" if "cpu" in s else "n/a"
         lines.append(
             f"| {s['t0'] - t00:.3f} | {d:,.1f} | {usual:,.1f} | {s['decode']} | "
-            f"{len(s['chunks'])} | {idle:,.1f} | {s['host'] * 1e3:,.1f} |"
+            f"{len(s['chunks'])} | {idle:,.1f} | {s['host'] * 1e3:,.1f} | {call} / {cpu} |"
         )
     return lines
 

@@ -55,11 +55,14 @@ class StepTrace:
         host: float,
         returned: float | None = None,
         eager: bool = False,
+        launch_cpu: float | None = None,
     ) -> None:
         """One step whose results are in (after writeback advanced its rows: a row's
         num_computed already counts its chunk). perf_counter times; `returned`: when its
         launch gave the host back (None where launch and wait are one call); `eager`: a
-        prompt step the runner ran op by op (no CUDA graph for it)."""
+        prompt step the runner ran op by op (no CUDA graph for it); `launch_cpu`: the step
+        thread's CPU seconds in the launch call (a call much longer than that waited: for
+        the GIL, or for the device)."""
         decode, chunks, new = 0, [], []
         for seq, n in zip(step.seqs, step.counts):
             prompt = len(seq.prompt_ids)
@@ -90,6 +93,8 @@ class StepTrace:
             line["ret"] = round(returned + self._offset, 6)
         if eager:
             line["eager"] = 1
+        if launch_cpu is not None:
+            line["cpu"] = round(launch_cpu, 6)
         if new:
             line["new"] = new
         self._write(line)

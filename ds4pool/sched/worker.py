@@ -60,6 +60,9 @@ class InFlight:
     t0: float  # perf_counter at its launch
     host: float  # host seconds from the previous step's results to this launch
     returned: float  # perf_counter when the launch returned (the host was free again)
+    # this thread's CPU seconds in the launch call: far under returned - t0, the thread
+    # waited inside it (for the GIL behind other threads, or for the device)
+    launch_cpu: float = 0.0
 
 
 class Worker:
@@ -239,7 +242,10 @@ class Worker:
                 sched.observer.step(len(prev.step.seqs), sum(prev.step.counts), step_s, prev.host)
                 if self.trace is not None:
                     eager = getattr(prev.launched, "eager", False)
-                    self.trace.step(prev.step, prev.t0, t_ready, prev.host, prev.returned, eager)
+                    self.trace.step(
+                        prev.step, prev.t0, t_ready, prev.host, prev.returned, eager,
+                        prev.launch_cpu,
+                    )  # fmt: skip
         self._ready_at = t_ready
         if self._ahead_failed is not None:  # its requests' prev rows are advanced: fail them
             (failed, exc), self._ahead_failed = self._ahead_failed, None
@@ -256,7 +262,7 @@ class Worker:
                 # first (a first token waited out that dispatch; docs/BENCHMARKS.md, run I)
                 sched.settle(pending, in_flight=True)
                 pending = None
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 with self.engine_lock:
                     launched = sched.runner.launch(step.inputs)
@@ -266,7 +272,10 @@ class Worker:
             else:
                 # exposed host time, as the synchronous loop's: from the previous results to
                 # this launch (the runner's own prep is counted in neither)
-                self._in_flight = InFlight(step, launched, t0, t0 - t_ready, time.perf_counter())
+                cpu = time.thread_time() - cpu0
+                self._in_flight = InFlight(
+                    step, launched, t0, t0 - t_ready, time.perf_counter(), cpu
+                )
         if pending is not None:
             sched.settle(pending, in_flight=self._in_flight is not None)
         if self._in_flight is None:
@@ -283,6 +292,7 @@ class Worker:
         if step is None:
             return
         _check_sessions(step)
+        cpu0 = time.thread_time()
         try:
             with self.engine_lock:
                 launched = sched.runner.launch(step.inputs, feed=prev.launched)
@@ -292,7 +302,7 @@ class Worker:
             return
         # no host time exposed: the device had the step before it still to run
         now = time.perf_counter()
-        self._ahead = InFlight(step, launched, now, 0.0, now)
+        self._ahead = InFlight(step, launched, now, 0.0, now, time.thread_time() - cpu0)
 
 
 def _check_sessions(step: Step) -> None:

@@ -503,7 +503,8 @@ def test_the_trace_marks_the_prompt_steps_that_ran_eagerly(
     loaded: LoadedModel, tmp_path: Path
 ) -> None:
     """--trace-steps with the overlapped loop: a prompt step the runner ran op by op (on CPU
-    every one: no CUDA graphs) says "eager": 1; decode steps say nothing."""
+    every one: no CUDA graphs) says "eager": 1; decode steps say nothing; every step says
+    the step thread's CPU time in its launch call ("cpu")."""
     import json
 
     path = tmp_path / "steps.jsonl"
@@ -519,3 +520,7 @@ def test_the_trace_marks_the_prompt_steps_that_ran_eagerly(
     assert prompt_steps and decode_steps
     assert all(s.get("eager") == 1 for s in prompt_steps)
     assert not any("eager" in s for s in decode_steps)
+    # the step thread's CPU time in each launch call, within the call (the forward runs in
+    # it on CPU: more than nothing for a prompt step)
+    assert all(0 <= s["cpu"] <= s["ret"] - s["t0"] + 0.002 for s in steps)
+    assert all(s["cpu"] > 0 for s in prompt_steps)

@@ -28,6 +28,18 @@ def test_a_slow_step_is_listed_with_the_idle_time_before_it() -> None:
     assert (int(slow[3]), int(slow[4])) == (1, 8)
     assert float(slow[5]) == 356.0  # 0.5 s - (0.083 + 0.061) s: idle before it
     assert float(slow[6]) == 20.0
+    assert slow[7].strip() == "n/a / n/a"  # a trace from before the launch's CPU was written
+
+
+def test_a_slow_step_shows_its_launch_call_against_the_threads_cpu_in_it() -> None:
+    """A launch call far longer than the step thread's CPU time in it waited (run M's wave
+    steps: the GIL behind the API's threads)."""
+    steps = [step(0.0, 40, 2), step(0.05, 38, 2), step(0.1, 39, 2), step(0.2, 160, 2)]
+    for s in steps:
+        s["ret"], s["cpu"] = s["t1"] - 0.002, 0.030
+    steps[-1]["cpu"] = 0.031
+    rows = [line.strip("|").split("|") for line in trace_report.slow_steps(steps)[3:]]
+    assert len(rows) == 1 and rows[0][7].strip() == "158.0 / 31.0"
 
 
 def test_no_step_is_slow_in_a_steady_trace() -> None:
