@@ -8,7 +8,8 @@
 #   (ds4pool before session 41) and the one that does not, at 5 ms and 200 µs switch;
 # - the agents at 64 / 32, traced: ds4pool now (encode without the GIL, 200 µs switch) and
 #   ds4pool:before (dd76b70, exported to .before: run M's build) side by side — are the
-#   first steps of each wave (run M: 130-346 ms for a shape that takes 40) gone, and what
+#   first steps of each wave (run M: 130-346 ms for a shape that takes 40) gone (the trace
+#   now says the launch call's CPU time: trace_report's slow steps), and what
 #   does it do to the resumed TTFT? then the 200 µs switch alone (--gil-switch-us 5000) at 64.
 # Runs as the SEQ of bench/device_bg.sh, so that it outlives each 600 s call:
 #   rm -rf .before && mkdir .before && git archive dd76b70 ds4pool | tar -x -C .before
