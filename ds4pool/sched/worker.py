@@ -62,7 +62,7 @@ class InFlight:
     returned: float  # perf_counter when the launch returned (the host was free again)
     # this thread's CPU seconds in the launch call: far under returned - t0, the thread
     # waited inside it (for the GIL behind other threads, or for the device)
-    launch_cpu: float = 0.0
+    launch_cpu: float
 
 
 class Worker:
@@ -241,10 +241,9 @@ class Worker:
                 self._idle_left = self._idle is not None
                 sched.observer.step(len(prev.step.seqs), sum(prev.step.counts), step_s, prev.host)
                 if self.trace is not None:
-                    eager = getattr(prev.launched, "eager", False)
                     self.trace.step(
-                        prev.step, prev.t0, t_ready, prev.host, prev.returned, eager,
-                        prev.launch_cpu,
+                        prev.step, prev.t0, t_ready, prev.host, prev.returned,
+                        prev.launched.eager, prev.launch_cpu,
                     )  # fmt: skip
         self._ready_at = t_ready
         if self._ahead_failed is not None:  # its requests' prev rows are advanced: fail them

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ds4pool.engine import Engine, EngineConfig
+from ds4pool.kv.match import common_prefix_len
 from ds4pool.kv.transfer import DeviceKV, gather_to_host
 from ds4pool.model.loader import LoadedModel, load_model
 from ds4pool.sched.request import Request
@@ -68,18 +69,11 @@ def test_batched_equals_solo_on_cuda(loaded: LoadedModel) -> None:
         # completion goes its own way (11 of 16 stayed identical on an H100, session 41). A
         # batching fault (another row's KV, a wrong position) shows from the first tokens:
         # the completions must follow their solo run for most of what they generate.
-        followed = sum(common_prefix(a, b) for a, b in zip(together, solo))
+        followed = sum(common_prefix_len(a, b) for a, b in zip(together, solo))
         total = sum(len(b) for b in solo)
         assert followed >= total // 2, (
             f"bf16 completions follow their solo run for {followed} of {total} tokens"
         )
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def session_kv(e: Engine, session_id: str) -> torch.Tensor:
