@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -330,6 +331,23 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         s,
+        "--http",
+        default="auto",
+        choices=["auto", "httptools", "h11"],
+        help="HTTP/1.1 implementation: httptools (C, a dependency of ds4pool) or h11 (pure "
+        "Python: its parsing and framing run on the event loop, under the GIL the step "
+        "thread needs); auto: httptools where installed",
+    )
+    _flag(
+        s,
+        "--loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="event loop: uvloop (libuv, a dependency of ds4pool where it builds) or asyncio's "
+        "own; auto: uvloop where installed",
+    )
+    _flag(
+        s,
         "--trace-steps",
         type=Path,
         default=None,
@@ -449,6 +467,22 @@ def set_gil_switch(us: float) -> None:
     sys.setswitchinterval(us / 1e6)  # (us * 1e-6 would be 199 µs: CPython truncates)
 
 
+def check_http_stack(http: str, loop: str) -> None:
+    """--http / --loop name a module that is installed (uvicorn would fail with a traceback)."""
+    for flag, name in (("--http", http), ("--loop", loop)):
+        if name in ("httptools", "uvloop") and importlib.util.find_spec(name) is None:
+            raise Ds4poolError(f"{flag} {name}: the {name} package is not installed")
+
+
+def http_stack(http: str, loop: str) -> str:
+    """What uvicorn's "auto" picks, for the start-up log: e.g. "httptools on uvloop"."""
+    if http == "auto":
+        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    if loop == "auto":
+        loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"{http} on {loop}"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -457,6 +491,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)
     set_gil_switch(args.gil_switch_us)
+    check_http_stack(args.http, args.loop)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -474,13 +509,16 @@ def run_serve(args: argparse.Namespace) -> int:
     freeze_startup_objects()
     logging.getLogger("ds4pool.serve").info(
         "%d start-up objects moved out of the garbage collector's reach (gc.freeze); GIL "
-        "switch interval %g µs",
+        "switch interval %g µs; HTTP %s",
         gc.get_freeze_count(),
         round(sys.getswitchinterval() * 1e6),
+        http_stack(args.http, args.loop),
     )
     server = DrainingServer(
         uvicorn.Config(
             app,
+            http=args.http,
+            loop=args.loop,
             log_level=args.log_level,
             timeout_graceful_shutdown=30,
             access_log=False,

@@ -77,6 +77,7 @@ def test_sigterm_flushes_sessions_and_a_restart_resumes_them(
     # the start-up's objects were frozen: full collections while serving skip them
     assert re.search(r"[1-9]\d* start-up objects moved out of the garbage collector", log)
     assert "GIL switch interval 200 µs" in log  # the step thread gets the GIL back sooner
+    assert "HTTP httptools on uvloop" in log  # uvicorn's C parser and loop (dependencies)
     cores = r"(; (\d+) cores, (\d+) logical CPUs)?"
     probe = r"(, (\d+) of (\d+)-(\d+) by a start-up probe: a step \d+ ms with \d+, "
     probe += r"\d+ ms with \d+)?"
@@ -110,6 +111,25 @@ def test_sigterm_flushes_sessions_and_a_restart_resumes_them(
         assert second.usage.prompt_tokens_details.cached_tokens == turn1 - 1
     finally:
         stop(proc)
+
+
+def test_the_pure_python_http_stack_still_serves_streams(demo_dir: Path, tmp_path: Path) -> None:
+    """--http h11 --loop asyncio (the stack before httptools and uvloop were dependencies,
+    and what auto picks where they are not installed) streams a completion to the SDK."""
+    port = free_port()
+    proc = start(demo_dir, tmp_path / "kv", port, "--http", "h11", "--loop", "asyncio")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "stream a few words"}]
+        stream = c.chat.completions.create(
+            model="demo", messages=msgs, max_tokens=8, stream=True, temperature=0
+        )
+        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        whole = c.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0)
+    finally:
+        log = stop(proc)
+    assert text and text == whole.choices[0].message.content
+    assert "HTTP h11 on asyncio" in log
 
 
 def serve_refused(demo_dir: Path, *args: str) -> subprocess.CompletedProcess:
