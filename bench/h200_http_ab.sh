@@ -1,0 +1,21 @@
+#!/bin/bash
+# The agents workload at 64 agents (bench/h200_agents.sh: 8B-shaped, 4 turns, S=2400, U=230,
+# G=64, 0.2 s pauses), ds4pool with uvicorn on h11 + asyncio (before session 42) against its
+# new default, httptools + uvloop (bench/http_cost.py: the event loop's CPU per request and per
+# streamed chunk ~0.6x on CPU), both traced. Runs as the SEQ of bench/device_bg.sh, with the
+# httptools and uvloop wheels among the carried .whl:
+#   bash bench/device_bg.sh bench/h200_http_ab.sh 540     (carry .whl)
+set -u
+R=${R:-/tmp/res}
+mkdir -p "$R"
+type step >/dev/null 2>&1 || step() { echo "== $* at $(date +%T)" >>"$R/seq.log"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+step model
+[ -f /tmp/m8b/config.json ] || python3 bench/write_random_model.py --preset llama3-8b \
+  --vocab 1024 /tmp/m8b --device cuda --text-ids-only >$R/model.log 2>&1
+step "agents 64"
+SERVERS="ds4pool:h11 ds4pool:uv" AGENTS=64 PHASE=seq LIMIT=420 \
+  VARIANTS="h11=--http h11 --loop asyncio --trace-steps $R/h11.jsonl;uv=--trace-steps $R/uv.jsonl" \
+  bash bench/h200_agents.sh >$R/agents64.log 2>&1
