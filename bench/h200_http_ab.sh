@@ -1,8 +1,8 @@
 #!/bin/bash
 # The agents workload at 64 agents (bench/h200_agents.sh: 8B-shaped, 4 turns, S=2400, U=230,
 # G=64, 0.2 s pauses), ds4pool with uvicorn on h11 + asyncio (before session 42) against its
-# new default, httptools + uvloop (bench/http_cost.py: the event loop's CPU per request and per
-# streamed chunk ~0.6x on CPU), both traced. Runs as the SEQ of bench/device_bg.sh, with the
+# new default, httptools + uvloop (bench/http_cost.py: the event loop's CPU 0.72x per request and
+# 0.63x per streamed chunk on CPU), both traced. Runs as the SEQ of bench/device_bg.sh, with the
 # httptools and uvloop wheels among the carried .whl:
 #   bash bench/device_bg.sh bench/h200_http_ab.sh 540     (carry .whl)
 set -u
