@@ -6,15 +6,7 @@
 # httptools and uvloop wheels among the carried .whl:
 #   bash bench/device_bg.sh bench/h200_http_ab.sh 540     (carry .whl)
 set -u
-R=${R:-/tmp/res}
-mkdir -p "$R"
-type step >/dev/null 2>&1 || step() { echo "== $* at $(date +%T)" >>"$R/seq.log"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-step model
-[ -f /tmp/m8b/config.json ] || python3 bench/write_random_model.py --preset llama3-8b \
-  --vocab 1024 /tmp/m8b --device cuda --text-ids-only >$R/model.log 2>&1
+. bench/device_prep.sh
 step "agents 64"
 SERVERS="ds4pool:h11 ds4pool:uv" AGENTS=64 PHASE=seq LIMIT=420 \
   VARIANTS="h11=--http h11 --loop asyncio --trace-steps $R/h11.jsonl;uv=--trace-steps $R/uv.jsonl" \

@@ -11,16 +11,8 @@
 # Writes under /tmp/res: probeN.txt (pyspy_steps), traceN.txt (trace_report), the agents
 # JSON and the step trace; the chrome trace itself (~100s of MB) stays on the machine.
 set -u
-R=${R:-/tmp/res}
 N=${N:-64}
-mkdir -p "$R"
-type step >/dev/null 2>&1 || step() { echo "== $* at $(date +%T)" >>"$R/seq.log"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-step model
-[ -f /tmp/m8b/config.json ] || python3 bench/write_random_model.py --preset llama3-8b \
-  --vocab 1024 /tmp/m8b --device cuda --text-ids-only >$R/model.log 2>&1
+. bench/device_prep.sh
 port=8311
 step "server under py-spy"
 /tmp/site/bin/py-spy record --threads --idle --native --rate 200 --format chrometrace \

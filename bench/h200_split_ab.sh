@@ -18,17 +18,9 @@
 # Writes under /tmp/res: gpu_changed.log, convoy.log, agents logs (bench/trace_report.py
 # TRACE --agents JSON for trN / beN), clocksN.csv.
 set -u
-R=${R:-/tmp/res}
-mkdir -p "$R"
-type step >/dev/null 2>&1 || step() { echo "== $* at $(date +%T)" >>"$R/seq.log"; }  # run alone
 # ~8 min before the GPU tests: no llama.cpp build (llama-server's figures at 32 / 64 agents
 # on this workload are run K's, an H200)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-step model
-[ -f /tmp/m8b/config.json ] || python3 bench/write_random_model.py --preset llama3-8b \
-  --vocab 1024 /tmp/m8b --device cuda --text-ids-only >$R/model.log 2>&1
+. bench/device_prep.sh
 step "gpu tests, changed"  # session 41: bf16 criteria against the fp32 reference
 timeout 600 python3 -m pytest -m cuda -q -p no:cacheprovider --durations=10 \
   tests/gpu/test_fast_path_cuda.py tests/gpu/test_engine_cuda.py >$R/gpu_changed.log 2>&1
