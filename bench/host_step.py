@@ -273,7 +273,7 @@ def run_wave(loaded: LoadedModel, args: argparse.Namespace, n: int, profile: boo
     gc.collect()
     if prof is not None:
         print(f"\n## cProfile, a wave of N = {n}\n")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(r"ds4pool/(sched|kv|api)", 20)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_filter, 30)
     steps = max(1, phases.counted)
     return {
         "steps": phases.counted,
@@ -308,6 +308,12 @@ def main() -> None:
         "host and step stay wall time)",
     )
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="cProfile these N")
+    ap.add_argument(
+        "--profile-filter",
+        default=r"ds4pool/(sched|kv|api)",
+        help="--wave: the profile's rows whose file matches this (e.g. 'ds4pool/model|triton' "
+        "for the launch's host side)",
+    )
     ap.add_argument(
         "--wave",
         action="store_true",
