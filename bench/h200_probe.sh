@@ -12,10 +12,11 @@
 # JSON and the step trace; the chrome trace itself (~100s of MB) stays on the machine.
 set -u
 N=${N:-64}
+RATE=${RATE:-200}  # samples/s: run O's 200 slowed the server ~3.5x (py-spy stops it each time)
 . bench/device_prep.sh
 port=8311
 step "server under py-spy"
-/tmp/site/bin/py-spy record --threads --idle --native --rate 200 --format chrometrace \
+/tmp/site/bin/py-spy record --threads --idle --native --rate "$RATE" --format chrometrace \
   -o /tmp/ct$N.json -- python3 -m ds4pool serve --model /tmp/m8b --device cuda \
   --dtype bfloat16 --kv-device-gb 40 --max-batch-tokens 2048 --host 127.0.0.1 --port $port \
   --log-level warning --trace-steps $R/pr$N.jsonl >$R/server$N.log 2>&1 &
