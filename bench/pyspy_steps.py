@@ -59,7 +59,26 @@ class Segment:
     stack: tuple[Frame, ...]  # outermost first
 
 
-def segments(events: list[dict[str, Any]]) -> dict[str, list[Segment]]:
+class Timeline:
+    """Segments that do not overlap, in order of start: what of them lies in [lo, hi)."""
+
+    def __init__(self, segs: list[Segment]) -> None:
+        self.segs = segs
+        self.starts = [s.start for s in segs]
+
+    def overlap(self, lo: float, hi: float) -> list[tuple[float, Segment]]:
+        """(seconds inside [lo, hi), segment) of every segment that reaches into it."""
+        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        res = []
+        while i < len(self.segs) and self.segs[i].start < hi:
+            d = min(self.segs[i].end, hi) - max(self.segs[i].start, lo)
+            if d > 0:
+                res.append((d, self.segs[i]))
+            i += 1
+        return res
+
+
+def segments(events: list[dict[str, Any]]) -> dict[str, Timeline]:
     """Each thread's stack over time: spans in which py-spy saw the same stack. A thread is
     keyed by its name event ("thread (TID): NAME"), pthread ids being reused."""
     open_: dict[int, list[Frame]] = collections.defaultdict(list)
@@ -78,7 +97,7 @@ def segments(events: list[dict[str, Any]]) -> dict[str, list[Segment]]:
             stack.append(Frame(e["name"], (e.get("args") or {}).get("filename", "")))
         elif stack:
             stack.pop()
-    return out
+    return {name: Timeline(segs) for name, segs in out.items()}
 
 
 def state(stack: tuple[Frame, ...]) -> str:
@@ -88,10 +107,12 @@ def state(stack: tuple[Frame, ...]) -> str:
         return "gil"
     if any("libcuda" in f.file for f in stack):
         return "driver"
-    leaf = stack[-1].name if stack else ""
-    if any(leaf.startswith(w) for w in WAIT_LEAVES):
-        return "wait"
-    return "run"
+    return "wait" if in_wait_call(stack) else "run"
+
+
+def in_wait_call(stack: tuple[Frame, ...]) -> bool:
+    """The leaf is a blocking call (epoll, a condition variable, a futex, a read, ...)."""
+    return bool(stack) and stack[-1].name.startswith(WAIT_LEAVES)
 
 
 def taking_gil(stack: tuple[Frame, ...]) -> bool:
@@ -108,9 +129,7 @@ def python_leaf(stack: tuple[Frame, ...]) -> str:
 def running(stack: tuple[Frame, ...]) -> bool:
     """Not blocked: running Python, or native code (which may or may not hold the GIL: the
     report names the library of its leaf)."""
-    if not stack or taking_gil(stack):
-        return False
-    if any(stack[-1].name.startswith(w) for w in WAIT_LEAVES):
+    if not stack or taking_gil(stack) or in_wait_call(stack):
         return False
     return not python_leaf(stack).startswith(PY_WAITS)
 
@@ -122,36 +141,21 @@ def where(stack: tuple[Frame, ...]) -> str:
     return python_leaf(stack) + lib
 
 
-def overlap(segs: list[Segment], lo: float, hi: float) -> list[tuple[float, Segment]]:
-    starts = [s.start for s in segs]
-    i = max(bisect.bisect_right(starts, lo) - 1, 0)
-    res = []
-    while i < len(segs) and segs[i].start < hi:
-        d = min(segs[i].end, hi) - max(segs[i].start, lo)
-        if d > 0:
-            res.append((d, segs[i]))
-        i += 1
-    return res
-
-
 def fit_offset(launches: list[tuple[float, float]], trace: list[tuple[float, float]]) -> float:
     """trace time - py-spy time: the offset that lines the most launch time up."""
     spans = sorted(launches, key=lambda x: x[1] - x[0], reverse=True)[:30]
     longest = sorted(trace, key=lambda x: x[1] - x[0], reverse=True)[:30]
-    starts = sorted(trace)
+    windows = Timeline([Segment(a, b, ()) for a, b in sorted(trace)])
 
     def score(off: float) -> float:
-        total = 0.0
-        for a, b in launches:
-            lo, hi = a + off, b + off
-            i = max(bisect.bisect_right(starts, (lo, lo)) - 1, 0)
-            while i < len(starts) and starts[i][0] < hi:
-                total += max(0.0, min(hi, starts[i][1]) - max(lo, starts[i][0]))
-                i += 1
-        return total
+        return sum(d for a, b in launches for d, _ in windows.overlap(a + off, b + off))
 
     candidates = [t[0] - s[0] for t in longest for s in spans]
     return max(candidates, key=score) if candidates else 0.0
+
+
+def runs_the_steps(thread: Timeline) -> bool:
+    return any(f.name == STEP_FRAME for s in thread.segs for f in s.stack)
 
 
 def launch_spans(segs: list[Segment]) -> list[tuple[float, float]]:
@@ -169,29 +173,26 @@ def analyse(
     ct: list[dict[str, Any]], steps: list[dict[str, Any]], min_ms: float, every: bool = False
 ) -> dict[str, Any]:
     threads = segments(ct)
-    step_key = next(
-        (k for k, v in threads.items() if any(f.name == STEP_FRAME for s in v for f in s.stack)),
-        None,
-    )
+    step_key = next((k for k, t in threads.items() if runs_the_steps(t)), None)
     if step_key is None:
         raise SystemExit("no thread with Worker._run in the py-spy trace")
-    step_segs = threads[step_key]
+    step_thread = threads[step_key]
     for s in steps:  # where launch and wait are one call (CPU), the window is the whole step
         s.setdefault("ret", s["t1"])
     eager = [s for s in steps if s.get("eager") or every]
     windows = [(s["t0"], s["ret"]) for s in steps]
-    off = fit_offset(launch_spans(step_segs), windows)
+    off = fit_offset(launch_spans(step_thread.segs), windows)
     others = {k: v for k, v in threads.items() if k != step_key}
 
     def window(lo: float, hi: float) -> tuple[collections.Counter[str], collections.Counter[str]]:
         by_state: collections.Counter[str] = collections.Counter()
         holders: collections.Counter[str] = collections.Counter()
-        for d, seg in overlap(step_segs, lo - off, hi - off):
+        for d, seg in step_thread.overlap(lo - off, hi - off):
             st = state(seg.stack)
             by_state[st] += d
             if st == "gil":
-                for name, segs in others.items():
-                    for d2, s2 in overlap(segs, max(lo - off, seg.start), min(hi - off, seg.end)):
+                for name, other in others.items():
+                    for d2, s2 in other.overlap(max(lo - off, seg.start), min(hi - off, seg.end)):
                         if running(s2.stack):
                             holders[f"{name.split(': ', 1)[-1]}: {where(s2.stack)}"] += d2
         return by_state, holders
