@@ -41,6 +41,7 @@ import httpx  # noqa: E402
 
 from bench.agents_compare import free_port, stop, wait_ready  # noqa: E402
 from bench.gil_convoy import agent_messages  # noqa: E402
+from ds4pool.bench.agents import sse_data  # noqa: E402
 
 VARIANTS = ["h11/asyncio", "httptools/asyncio", "h11/uvloop", "httptools/uvloop"]
 
@@ -57,9 +58,8 @@ async def _request(client: httpx.AsyncClient, body: dict[str, Any], session: str
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks += 1
+        async for data in sse_data(r.aiter_bytes()):
+            chunks += data != b"[DONE]"
     return chunks
 
 
