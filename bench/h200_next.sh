@@ -1,9 +1,11 @@
 #!/bin/bash
 # The next lease's sequence (after session 42; runs N-Q in docs/BENCHMARKS.md), in priority
 # order:
-# - the whole GPU suite (`pytest -m cuda tests/gpu`, ~13 min on an H100): not run whole since
-#   run M (204 passed, 3 failed; the 3 restated in 23cee2c passed in run N with the rest of
-#   their two files);
+# - the whole GPU suite (`pytest -m cuda tests/gpu`, ~13 min on an H100 in one process): not
+#   run whole since run M (204 passed, 3 failed; the 3 restated in 23cee2c passed in run N
+#   with the rest of their two files). Four pytest-xdist workers, a file each (its module
+#   fixtures stay in one process), where .whl carries pytest-xdist and execnet: most of the
+#   suite's time is Triton compiling on one core, and the machine has 16;
 # - the agents workload (bench/h200_agents.sh: 8B-shaped, 4 turns, S=2400, U=230, G=64, 0.2 s
 #   pauses) at 64 then 32 agents, two rounds each alternating, traced: the defaults (uvicorn
 #   on httptools + uvloop since b890cb3) against `--graph-chunks 8`, whose 2-7-chunk steps
@@ -18,8 +20,10 @@
 set -u
 . bench/device_prep.sh
 step "gpu suite"
-timeout 960 python3 -m pytest -m cuda -q -p no:cacheprovider --durations=25 tests/gpu \
-  >$R/gpu_all.log 2>&1
+XDIST=()
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
+timeout 960 python3 -m pytest -m cuda -q -p no:cacheprovider --durations=25 "${XDIST[@]}" \
+  tests/gpu >$R/gpu_all.log 2>&1
 step "gpu suite: rc $?"
 for n in 64 32; do
   for r in a b; do
