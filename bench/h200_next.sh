@@ -1,6 +1,6 @@
 #!/bin/bash
-# The next lease's sequence (after session 42; runs N-Q in docs/BENCHMARKS.md), in priority
-# order:
+# Session 43's first sequence (run R in docs/BENCHMARKS.md: 210 GPU tests passed in 217 s;
+# the graph-chunks A/B within the rounds' spread), in priority order:
 # - the whole GPU suite (`pytest -m cuda tests/gpu`, ~13 min on an H100 in one process): not
 #   run whole since run M (204 passed, 3 failed; the 3 restated in 23cee2c passed in run N
 #   with the rest of their two files). Four pytest-xdist workers, a file each (its module

@@ -7,7 +7,9 @@
 # from ds4pool-only leases. Runs as the SEQ of bench/device_bg.sh (carry .whl .llama):
 #   bash bench/device_bg.sh bench/h200_stagger.sh 540 /tmp/ac /tmp/acs
 # and again at once after each call returns, until its log says "done". The llama.cpp
-# build (~5 min on 16 cores) runs while nothing is measured.
+# build (~4 min on 16 cores) runs while nothing is measured. Run S in docs/BENCHMARKS.md
+# (session 43, an H100): resumed turns 1.7x / 3.4x later than llama-server's in step, 4.0x /
+# 3.5x sooner out of step, at 32 / 64 agents.
 set -u
 . bench/device_prep.sh
 step "llama.cpp build and GGUF"
