@@ -3,6 +3,8 @@
     python3 bench/attn_kernels.py            # checks + full table (< 4 min on an H200)
     python3 bench/attn_kernels.py --quick    # fewer shapes, for a smoke run
     python3 bench/attn_kernels.py --sweep --emit   # decode launch sweep, table to paste
+    python3 bench/attn_kernels.py --case 24,3000,8,243,3143 [--split] [--reps 3]
+                                             # one mixed step's attention, for a profiler
 
 --sweep times the decode kernel's launch candidates instead (bench/decode_sweep.py: block_n,
 warps, stages, short-row pieces at batch 1-64, contexts 160-8k, graph-sized tables) and with
@@ -26,6 +28,12 @@ warps, stages, short-row pieces at batch 1-64, contexts 160-8k, graph-sized tabl
    TritonPagedAttention.forward: one prefill launch (`triton`) vs the decode rows in the
    decode kernel (`triton-split`), with the largest difference between the two outputs.
 Tables print last; the exit code is 1 when a check failed. Change the variants below.
+
+--case ND,DCTX,K,C,CCTX runs only one mixed step's attention (ND decode rows at DCTX tokens,
+K prompt chunks of C tokens whose context ends at CCTX; ND may be 0), --reps times through the
+backend's forward (one launch, or --split), and prints its median time: the launches for a
+profiler (`ncu -k regex:prefill_kernel --launch-skip 1 -c 1 python3 bench/attn_kernels.py
+--case ...`: the first rep compiles).
 """
 
 from __future__ import annotations
@@ -360,17 +368,47 @@ def mixed_table(shapes: list[tuple[int, int, int, int, int]]) -> tuple[list[str]
     return rows, failures
 
 
+def one_case(spec: str, split: bool, reps: int) -> int:
+    """--case: one mixed step's attention, reps times, and its median µs per layer."""
+    from ds4pool.model.attention_triton import TritonPagedAttention
+
+    nd, dctx, k, c, cctx = (int(x) for x in spec.split(","))
+    case = make_case(
+        [1] * nd + [c] * k, [dctx] * nd + [cctx] * k, heads=H, kv_heads=H_KV, head_dim=D,
+        block_size=BS, dtype=DTYPE, device="cuda", seed=nd + k,
+    )  # fmt: skip
+    meta = case_metadata(case, index_dtype=torch.int32)
+    run = partial(_mixed_forward, TritonPagedAttention(split_decode_rows=split), case, meta)
+    times = []
+    for _ in range(max(1, reps)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    backend = "triton-split" if split else "triton"
+    print(f"{backend} {nd} x {dctx} + {k} x {c} ({cctx}): {sorted(times)[len(times) // 2]:.0f} µs "
+          f"(median of {len(times)}, the first compiling)")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     parser.add_argument("--sweep", action="store_true", help="decode launch sweep only")
     parser.add_argument("--emit", action="store_true", help="--sweep: print the table to paste")
     parser.add_argument("--budget-s", type=float, default=120.0, help="--sweep: time budget")
+    parser.add_argument("--case", help="ND,DCTX,K,C,CCTX: one mixed step only (see above)")
+    parser.add_argument("--split", action="store_true", help="--case: as triton-split")
+    parser.add_argument("--reps", type=int, default=3, help="--case: launches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/attn_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    if args.case:
+        return one_case(args.case, args.split, args.reps)
     if args.sweep:
         from bench.decode_sweep import run
 

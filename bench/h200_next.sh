@@ -1,35 +1,33 @@
 #!/bin/bash
-# Session 43's first sequence (run R in docs/BENCHMARKS.md: 210 GPU tests passed in 217 s;
-# the graph-chunks A/B within the rounds' spread), in priority order:
-# - the whole GPU suite (`pytest -m cuda tests/gpu`, ~13 min on an H100 in one process): not
-#   run whole since run M (204 passed, 3 failed; the 3 restated in 23cee2c passed in run N
-#   with the rest of their two files). Four pytest-xdist workers, a file each (its module
-#   fixtures stay in one process), where .whl carries pytest-xdist and execnet: most of the
-#   suite's time is Triton compiling on one core, and the machine has 16;
-# - the agents workload (bench/h200_agents.sh: 8B-shaped, 4 turns, S=2400, U=230, G=64, 0.2 s
-#   pauses) at 64 then 32 agents, two rounds each alternating, traced: the defaults (uvicorn
-#   on httptools + uvloop since b890cb3) against `--graph-chunks 8`, whose 2-7-chunk steps
-#   (the waves' first steps: 3-5x their median in runs M and N, a third of their launch
-#   taking the GIL back under py-spy in run O) replay a graph, one GIL hand-over instead of
-#   ~160 Triton launches' and ~130 torch calls' (run Q). Run M had it 18% sooner at 64 and
-#   17% later at 32, one round each.
-# Runs as the SEQ of bench/device_bg.sh, so that it outlives each 600 s call:
-#   bash bench/device_bg.sh bench/h200_next.sh 540 /tmp/ac      (carry .whl)
+# The next lease's sequence (after session 43; runs R-T in docs/BENCHMARKS.md), in priority
+# order:
+# - why a wave step's prompt attention runs at ~236 TFLOP/s where a long prompt's reaches
+#   376-400 (run L): Nsight Compute (`--set full`: throughput, occupancy, warp stalls, memory
+#   chart, as text) on one launch of the prefill kernel for the agents' wave step's 8 chunks
+#   of 243 tokens over ~2.9k (as triton-split runs it: the chunks alone), the same step in
+#   one launch with its 24 decode rows (the default), and a 2,048-token chunk over 16k for
+#   contrast (bench/attn_kernels.py --case). The one lever left for the in-step resumed-turn TTFT at 32 agents (run
+#   S's bound: prompt attention ~1.7x slower than its best in wave steps);
+# - ds4pool and llama-server at 16 agents, in step and out of step (run S measured 32 / 64).
+# Runs as the SEQ of bench/device_bg.sh (carry .whl .llama):
+#   bash bench/device_bg.sh bench/h200_next.sh 540 /tmp/ac /tmp/acs
 # and again at once after each call returns, until its log says "done". Under /tmp/res:
-# gpu_all.log, agentsN*.log, the step traces (bench/trace_report.py TRACE --agents JSON).
+# ncu_*.txt, the agents logs and traces.
 set -u
 . bench/device_prep.sh
-step "gpu suite"
-XDIST=()
-python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4 --dist loadfile)
-timeout 960 python3 -m pytest -m cuda -q -p no:cacheprovider --durations=25 "${XDIST[@]}" \
-  tests/gpu >$R/gpu_all.log 2>&1
-step "gpu suite: rc $?"
-for n in 64 32; do
-  for r in a b; do
-    step "agents $n, round $r"
-    SERVERS="ds4pool:tr$n$r ds4pool:gc$n$r" AGENTS=$n PHASE=seq LIMIT=300 \
-      VARIANTS="tr$n$r=--trace-steps $R/tr$n$r.jsonl;gc$n$r=--graph-chunks 8 --trace-steps $R/gc$n$r.jsonl" \
-      bash bench/h200_agents.sh >$R/agents$n$r.log 2>&1
-  done
+NCU=(ncu --clock-control none -k regex:prefill_kernel --launch-skip 1 -c 1 --set full)
+CASE=(python3 bench/attn_kernels.py --reps 3 --case)
+for c in "wave 24,3000,8,243,3143 --split" "wave_one 24,3000,8,243,3143" "long 0,0,1,2048,16384"; do
+  read -r name spec flag <<<"$c"
+  step "ncu: $name"
+  timeout 240 "${NCU[@]}" "${CASE[@]}" $spec ${flag:-} >$R/ncu_$name.txt 2>&1
 done
+step "llama.cpp build"
+PHASE=prep SERVERS=llama-server bash bench/h200_agents.sh >$R/prep.log 2>&1
+step "agents 16, pause 0.2 s"
+SERVERS="ds4pool:lk16 llama-server" AGENTS=16 PHASE=seq LIMIT=900 \
+  VARIANTS="lk16=--trace-steps $R/lk16.jsonl" bash bench/h200_agents.sh >$R/lock16.log 2>&1
+step "agents 16, pause 0.1-2.0 s"
+THINK="0.1 2.0" AC=/tmp/acs OUT=$OUT/stag SERVERS="ds4pool:st16 llama-server" AGENTS=16 \
+  PHASE=seq LIMIT=900 VARIANTS="st16=--trace-steps $R/st16.jsonl" bash bench/h200_agents.sh \
+  >$R/stag16.log 2>&1
