@@ -25,8 +25,9 @@ def compile_sm90(
     types: Mapping[str, str] | None = None,
     aligned: Collection[str] = (),
 ) -> Any:
-    """fn's parameters typed by name: constexprs from `consts`, `*_ptr` from `pointers` (a
-    Triton pointer type, "*bf16" where not named), scalars i32 unless in `f32_scalars`.
+    """fn's parameters typed by name: constexprs from `consts` (or their defaults), `*_ptr`
+    from `pointers` (a Triton pointer type, "*bf16" where not named), scalars i32 unless in
+    `f32_scalars`.
     Pointers (and strides, with align_strides) that are specialised get 16-byte divisibility,
     as launches with aligned tensors do. `types` types other parameters by name, e.g. a
     host tensor descriptor as "tensordesc<bf16[32,128]>"; `aligned` names more integers that
@@ -34,10 +35,12 @@ def compile_sm90(
     from triton import compiler
     from triton.backends.compiler import GPUTarget
 
-    sig, attrs = {}, {}
+    sig, attrs, consts = {}, {}, dict(consts)
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
             sig[p.name] = "constexpr"
+            if p.name not in consts and p.has_default:  # as a launch that leaves it out
+                consts[p.name] = p.default
         elif types and p.name in types:
             sig[p.name] = types[p.name]
             continue

@@ -18,6 +18,7 @@ a graph keeps the one it was captured with.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,6 +69,7 @@ class TritonPagedAttention:
         split_decode_rows: bool = False,
         num_sms: int | None = None,  # None: the current CUDA device's (tests set it)
         prefill_launch: PrefillLaunch | None = None,  # None: the current device's
+        small_m: int = 0,  # > 0: that launch with PrefillLaunch.small_m = small_m
     ) -> None:
         from ds4pool.model.kernels import triton_attention, triton_decode_configs, triton_fused
 
@@ -88,6 +90,8 @@ class TritonPagedAttention:
             capability = (props.major, props.minor)
             prefill_launch = prefill_launch or triton_attention.prefill_launch(capability, shared)
         self._sms = num_sms
+        if small_m:  # a mixed step's decode rows on small_m-row tiles ("triton-small")
+            prefill_launch = dataclasses.replace(prefill_launch, small_m=small_m)
         self.prefill_launch = prefill_launch
 
     def partition_size(

@@ -47,6 +47,8 @@ class Case:
     # prefill: the first `split_decode` sequences (one token each) through paged_decode, the
     # rest through paged_prefill over views past them (TritonPagedAttention's split_decode_rows)
     split_decode: int = 0
+    # prefill: PrefillLaunch.small_m (sequences whose q_len x G rows fit run on a tile that small)
+    small_m: int = 0
 
     @property
     def tolerance(self) -> float:
@@ -158,7 +160,8 @@ CASES: dict[str, Case] = {
         "prefill", [33, 200, 70], [1, 30, 17], kv_heads=1, empty_rows=3, pad_tokens=15
     ),
     # the backend's forward (TritonPagedAttention, its own launch choices) over a mixed step,
-    # split (triton-split) and in one launch: both against the oracle
+    # split (triton-split), in one launch, and in one with small decode tiles (triton-small):
+    # each against the oracle
     "backend_mixed_step_split": Case(
         "backend", [40, 300, 1, 150, 37], [1, 1, 1, 20, 37], block_size=16
     ),
@@ -184,6 +187,47 @@ CASES: dict[str, Case] = {
         pad_tokens=8,
         num_partitions=3,
         split_decode=5,
+    ),
+    # the small tile (PrefillLaunch.small_m): decode rows and short queries (1, 2, 4 tokens
+    # of G=4 heads in 16 rows) on 16-row tiles beside chunks on 64-row ones; a 5-token query
+    # does not fit and keeps the large tile
+    "prefill_small_tile_mixed": Case(
+        "prefill",
+        [40, 1, 300, 37, 20, 60, 9],
+        [1, 1, 1, 4, 20, 5, 2],
+        block_m=64,
+        small_m=16,
+        strided_q=True,
+    ),
+    # G=8 (2 tokens in 16 rows), split-K over a window
+    "prefill_small_tile_splitk_window": Case(
+        "prefill",
+        [150, 7, 90, 60],
+        [1, 1, 40, 2],
+        kv_heads=1,
+        num_partitions=3,
+        window=50,
+        small_m=16,
+    ),
+    # a captured mixed step's padding rows (context 0) on the small tile come out 0
+    "prefill_small_tile_graph_padding": Case(
+        "prefill",
+        [40, 90, 150],
+        [1, 1, 24],
+        pad_rows=3,
+        pad_tokens=8,
+        num_partitions=3,
+        small_m=16,
+    ),
+    # Hopper's deep launch (128 x 128 tiles) with 32-row small tiles, fp16
+    "prefill_small_tile_deep_fp16": Case(
+        "prefill",
+        [300, 140, 1, 77],
+        [70, 140, 1, 1],
+        block_m=128,
+        block_n=128,
+        small_m=32,
+        dtype="float16",
     ),
     "decode_fp16_int64": Case(
         "decode", [5, 70, 0, 33], partition_size=32, dtype="float16", index64=True
@@ -315,13 +359,15 @@ def _run_backend(name: str, c: Case, case: object, q_lens: list[int]) -> dict:
     k = case.q[:, : c.kv_heads]  # its shape only: the K/V are in the cache (kv_stored)
     ref = reference(case, c.window)
     rel = {}
-    for split in (False, True):  # and both prefill launches a device may get
+    # one launch, split, and one launch with the decode rows on small tiles (triton-small),
+    # under both prefill launches a device may get
+    for split, small in ((False, 0), (True, 0), (False, 16)):
         for launch in (ta.DEFAULT_PREFILL, ta.DEEP_PREFILL):
             backend = TritonPagedAttention(
-                split_decode_rows=split, num_sms=132, prefill_launch=launch
+                split_decode_rows=split, num_sms=132, prefill_launch=launch, small_m=small
             )
             out = backend.forward(case.q, k, k, case.cache, meta, case.scale, kv_stored=True)
-            rel[split, launch] = rel_err(out, ref)
+            rel[split, small, launch] = rel_err(out, ref)
     return {
         "name": name,
         "rel": max(rel.values()),
@@ -350,7 +396,8 @@ def _prefill(
         )  # fmt: skip
     ta.paged_prefill(
         q[nd:], k_cache, v_cache, tables[nd:], starts[nd:], lens[nd:], max_q, scale, out[nd:],
-        sliding_window=c.window, launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n),
+        sliding_window=c.window,
+        launch=ta.PrefillLaunch(block_m=c.block_m, block_n=c.block_n, small_m=c.small_m),
         num_partitions=c.num_partitions or 1, query_offset=nd,
     )  # fmt: skip
 

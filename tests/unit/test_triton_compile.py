@@ -153,6 +153,31 @@ def test_the_deep_prefill_launch_fits_where_it_is_chosen(split: bool) -> None:
     assert async_copies(kernel) > 0, "K/V loads are not software-pipelined"
 
 
+@pytest.mark.parametrize("deep", [True, False], ids=["deep", "default"])
+@pytest.mark.parametrize("small_m", [16, 32])
+def test_the_small_tile_costs_no_shared_memory(deep: bool, small_m: int) -> None:
+    """PrefillLaunch.small_m compiles a second, small tile into the kernel (decode rows of a
+    mixed step): its K/V loads are pipelined too, the large tile keeps Hopper's wgmma, and
+    the program needs no more shared memory or registers than without it (the two
+    pipelines' buffers are not live at once), so DEEP_PREFILL still fits where it is chosen."""
+    launch = ta.DEEP_PREFILL if deep else ta.DEFAULT_PREFILL
+    consts = dict(G=4, D=128, D_PAD=128, BS=16, BLOCK_M=launch.block_m,
+                  BLOCK_Q=launch.block_m // 4, BLOCK_N=launch.block_n, USE_WINDOW=False,
+                  PRECISION="tf32", SPLIT=True)  # fmt: skip
+    plain = compile_sm90(pk.prefill_kernel, consts, launch.num_warps, launch.num_stages)
+    small = compile_sm90(
+        pk.prefill_kernel, consts | {"SMALL_M": small_m}, launch.num_warps, launch.num_stages
+    )
+    assert small.metadata.shared <= plain.metadata.shared, small.metadata.shared
+    assert async_copies(small) == 2 * async_copies(plain), "small tile's loads not pipelined"
+    assert small.asm["ttgir"].count("warp_group_dot") > 0, "no Hopper wgmma"
+    usage = triton_compile.resource_usage(small.asm["cubin"])
+    if usage is not None:  # where triton ships cuobjdump
+        before = triton_compile.resource_usage(plain.asm["cubin"])
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, f"register spills: {usage}"
+        assert before is not None and usage["REG"] <= before["REG"], (usage, before)
+
+
 def test_prefill_launch_by_device() -> None:
     assert ta.prefill_launch((9, 0), 227 * 1024) == ta.DEEP_PREFILL  # H100 / H200
     assert ta.prefill_launch((8, 0), 163 * 1024) == ta.DEFAULT_PREFILL  # A100: not measured

@@ -106,6 +106,7 @@ def prefill_kernel(
     USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
+    SMALL_M: tl.constexpr = 0,
 ):
     seq = tl.program_id(0) // num_parts
     part = tl.program_id(0) % num_parts
@@ -117,7 +118,72 @@ def prefill_kernel(
     if q_tile * BLOCK_Q >= q_len:
         return
     ctx = tl.load(lens_ptr + seq)
+    # a sequence whose query rows fit SMALL_M (a mixed step's decode rows: G rows of BLOCK_M
+    # live) runs on a SMALL_M-row tile, ~BLOCK_M / SMALL_M times less MMA work over the same
+    # keys; the same keys, tiles and order, so the same sums row by row
+    if SMALL_M > 0:
+        if q_len * G <= SMALL_M:
+            prefill_tile(
+                q_ptr, k_ptr, v_ptr, tables_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                seq, part, 0, kv_head, q_begin, q_len, ctx, scale_log2, window, num_parts,
+                n_heads, stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_vn,
+                stride_vt, stride_vh, stride_ts, stride_ot, stride_oh,
+                G, D, D_PAD, BS, SMALL_M, SMALL_M // G, BLOCK_N, USE_WINDOW, PRECISION, SPLIT,
+            )  # fmt: skip
+            return
+    prefill_tile(
+        q_ptr, k_ptr, v_ptr, tables_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        seq, part, q_tile, kv_head, q_begin, q_len, ctx, scale_log2, window, num_parts,
+        n_heads, stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_vn,
+        stride_vt, stride_vh, stride_ts, stride_ot, stride_oh,
+        G, D, D_PAD, BS, BLOCK_M, BLOCK_Q, BLOCK_N, USE_WINDOW, PRECISION, SPLIT,
+    )  # fmt: skip
 
+
+@triton.jit
+def prefill_tile(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    seq,
+    part,
+    q_tile,
+    kv_head,
+    q_begin,
+    q_len,
+    ctx,
+    scale_log2,
+    window,
+    num_parts,
+    n_heads,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    stride_ts,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Query tile `q_tile` (BLOCK_Q tokens x G heads) of sequence `seq`, kv head `kv_head`,
+    split-K partition `part`: its output rows, or its partials where SPLIT."""
     # row m of the tile: query token q_tile * BLOCK_Q + m // G of the sequence, head m % G
     m = tl.arange(0, BLOCK_M)
     tok = q_tile * BLOCK_Q + m // G  # [BLOCK_M] index among the sequence's new tokens

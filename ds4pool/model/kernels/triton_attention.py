@@ -101,12 +101,22 @@ class DecodeLaunch:
 
 @dataclass(frozen=True)
 class PrefillLaunch:
-    """Launch parameters of the prefill kernel: BLOCK_M rows (tokens x heads) by BLOCK_N keys."""
+    """Launch parameters of the prefill kernel: BLOCK_M rows (tokens x heads) by BLOCK_N keys.
+
+    small_m: rows of the tile of a sequence whose query rows (q_len x G) fit in it, a mixed
+    step's decode rows above all (G live rows of BLOCK_M otherwise, each such program as
+    costly as a chunk's: run K's profile); 0: every sequence on the launch's BLOCK_M rows.
+    A power of two >= 16; it applies only where the launch's BLOCK_M is larger."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    small_m: int = 0
+
+    def __post_init__(self) -> None:
+        if self.small_m and (self.small_m < 16 or self.small_m & (self.small_m - 1)):
+            raise ValueError(f"small_m must be 0 or a power of two >= 16: {self}")
 
 
 DEFAULT_DECODE = DecodeLaunch()
@@ -332,6 +342,8 @@ def paged_prefill(
     if split:
         part_out = torch.empty((tokens, n_heads, parts, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((tokens, n_heads, parts), dtype=torch.float32, device=q.device)
+    # the small tile where it is smaller than this launch's and holds a token's G heads
+    small_m = launch.small_m if max(16, g) <= launch.small_m < block_m else 0
     grid = (n_seqs * parts, math.ceil(max_query_len / block_q), h_kv)
     prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start, context_lens, out, part_out, part_lse,
@@ -342,7 +354,7 @@ def paged_prefill(
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=g, D=d, D_PAD=d_pad, BS=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=launch.block_n,
-        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype), SPLIT=split,
+        USE_WINDOW=window > 0, PRECISION=_precision(q.dtype), SPLIT=split, SMALL_M=small_m,
         num_warps=num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if split:
