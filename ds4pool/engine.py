@@ -101,7 +101,8 @@ class EngineConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)
     cache_dir: Path | None = None
     show_progress: bool = False
-    attention_backend: str = "auto"  # auto (triton on CUDA) | torch | triton | triton-split
+    # auto (triton on CUDA) | torch | triton | triton-split | triton-small (model/runner.py)
+    attention_backend: str = "auto"
     blas: str = "auto"  # CUDA: torch's preferred BLAS library (model/device.py)
     # CPU: the projections through oneDNN prepacked weights (model/cpu_linear.py): auto is
     # onednn where it works (CPU, float32), torch is F.linear. oneDNN keeps a primitive per

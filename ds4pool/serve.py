@@ -109,9 +109,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g,
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton", "triton-split"],
+        choices=["auto", "torch", "triton", "triton-split", "triton-small"],
         help="paged attention: auto (triton on CUDA, torch elsewhere), torch, triton; "
-        "triton-split: a mixed step's decode rows through the decode kernel (opt-in)",
+        "triton-split: a mixed step's decode rows through the decode kernel; triton-small: "
+        "through the prefill kernel on 16-row tiles (both opt-in)",
     )
     _flag(
         g,

@@ -108,7 +108,9 @@ class Launched:
     eager: bool = False  # a prompt step run op by op (no CUDA graph for it): the trace says so
 
 
-BACKENDS = ("auto", "torch", "triton", "triton-split")
+BACKENDS = ("auto", "torch", "triton", "triton-split", "triton-small")
+# the small tile of "triton-small" (PrefillLaunch.small_m): G=4 heads of up to 4 query tokens
+SMALL_TILE_ROWS = 16
 
 
 def select_backend(
@@ -117,7 +119,9 @@ def select_backend(
     """ "auto": Triton on CUDA where triton imports, else the torch reference; for latent
     attention (kv_kind "mla") the same choice between its own two backends. "triton-split":
     Triton with a mixed step's decode rows in the decode kernel (TritonPagedAttention's
-    split_decode_rows; opt-in: no end-to-end gain measured, docs/BENCHMARKS.md run L)."""
+    split_decode_rows; opt-in: no end-to-end gain measured, docs/BENCHMARKS.md runs L, T).
+    "triton-small": one prefill launch whose decode rows run on 16-row tiles instead of the
+    launch's 128 (PrefillLaunch.small_m; opt-in until measured on a GPU)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and triton_available() else "torch"
     if name not in BACKENDS:
@@ -128,7 +132,10 @@ def select_backend(
     if kv_kind == "mla":
         return TritonMLAAttention() if triton else TorchMLAAttention()
     if triton:
-        return TritonPagedAttention(split_decode_rows=name == "triton-split")
+        return TritonPagedAttention(
+            split_decode_rows=name == "triton-split",
+            small_m=SMALL_TILE_ROWS if name == "triton-small" else 0,
+        )
     return TorchPagedAttention()
 
 

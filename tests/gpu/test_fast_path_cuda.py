@@ -232,20 +232,25 @@ def test_mixed_step_graphs_equal_eager(loaded32: LoadedModel, loaded: LoadedMode
     assert_as_close_to_fp32(ref32, eager, graphed)
 
 
+@pytest.mark.parametrize("backend", ["triton-split", "triton-small"])
 @pytest.mark.parametrize("graphs", [False, True])
 def test_split_decode_rows_equal_the_one_launch_path(
-    loaded32: LoadedModel, loaded: LoadedModel, graphs: bool
+    loaded32: LoadedModel, loaded: LoadedModel, graphs: bool, backend: str
 ) -> None:
     """The triton-split backend (a mixed step's leading decode rows through the decode
-    kernel, its chunk through the prefill kernel past them) is as close to the fp32 logits
-    as one prefill launch over every row, eagerly (one leading row: the chunk comes second)
-    and in mixed-step graphs (every decode row of the bucket leads)."""
+    kernel, its chunk through the prefill kernel past them) and triton-small (the decode rows
+    on 16-row tiles of the one prefill launch) are as close to the fp32 logits as one prefill
+    launch over every row on its 128-row tiles, eagerly (one leading row: the chunk comes
+    second) and in mixed-step graphs (every decode row of the bucket leads)."""
     vocab = loaded.config.vocab_size
     ref32 = mixed_trace(runner(loaded32, "torch", graphs=False), vocab)
     one = mixed_trace(runner(loaded, "triton", graphs=False), vocab)
-    split = runner(loaded, "triton-split", graphs=graphs)
-    assert getattr(split.backend, "split_decode_rows", False)
-    assert_as_close_to_fp32(ref32, one, mixed_trace(split, vocab))
+    other = runner(loaded, backend, graphs=graphs)
+    if backend == "triton-split":
+        assert getattr(other.backend, "split_decode_rows", False)
+    else:
+        assert other.backend.prefill_launch.small_m == 16  # type: ignore[union-attr]
+    assert_as_close_to_fp32(ref32, one, mixed_trace(other, vocab))
 
 
 def chunks_trace(r: ModelRunner, vocab: int) -> list[torch.Tensor]:

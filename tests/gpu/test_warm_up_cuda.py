@@ -19,7 +19,9 @@ triton = pytest.importorskip("triton")
 from tests.unit import test_triton_variants as variants  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split", "triton-mla", "triton-moe"])
+@pytest.mark.parametrize(
+    "kind", ["triton", "triton-split", "triton-small", "triton-mla", "triton-moe"]
+)
 def test_serving_steps_compile_nothing_after_the_warm_up(kind: str) -> None:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
@@ -29,7 +31,7 @@ def test_serving_steps_compile_nothing_after_the_warm_up(kind: str) -> None:
         loaded,
         num_blocks=variants.NUM_BLOCKS,
         block_size=variants.BS,
-        backend="triton-split" if kind == "triton-split" else "triton",
+        backend=kind if kind in ("triton-split", "triton-small") else "triton",
         cuda_graphs="eager",  # every step eager: the warm-up alone must cover them
         max_decode_batch=variants.MAX_ROWS,
     )

@@ -27,6 +27,7 @@ STEPS = [
 CASES: dict[str, tuple[str, int]] = {
     "triton_k3": ("triton", 3),
     "triton_split_k4": ("triton-split", 4),
+    "triton_small_k3": ("triton-small", 3),  # decode rows on 16-row tiles of the prefill kernel
 }
 
 
@@ -42,7 +43,10 @@ def _runner(kind: str, k: int, graphs: bool) -> Any:
 
     loaded = tiny_loaded(vocab=61, seed=5)
     attention = TritonPagedAttention(
-        split_decode_rows=kind == "triton-split", num_sms=4, prefill_launch=ta.DEFAULT_PREFILL
+        split_decode_rows=kind == "triton-split",
+        num_sms=4,
+        prefill_launch=ta.DEFAULT_PREFILL,
+        small_m=16 if kind == "triton-small" else 0,
     )
     r = ModelRunner(
         loaded, num_blocks=96, block_size=16, cuda_graphs=False, max_decode_batch=8,

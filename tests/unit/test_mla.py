@@ -65,6 +65,8 @@ def test_mla_backend_choice_follows_the_dense_one() -> None:
         select_backend("flash", torch.device("cpu"), "mla")
     with pytest.raises(ValueError, match="triton-split attention backend needs CUDA"):
         select_backend("triton-split", torch.device("cpu"))
+    with pytest.raises(ValueError, match="triton-small attention backend needs CUDA"):
+        select_backend("triton-small", torch.device("cpu"))
 
 
 def test_yarn_rope_is_accepted_for_deepseek_only() -> None:

@@ -72,7 +72,7 @@ def moe_hf() -> dict[str, Any]:
 
 
 def loaded_model(kind: str, device: torch.device) -> LoadedModel:
-    """kind "triton" / "triton-split": llama_hf's model; "triton-mla": mla_hf's;
+    """kind "triton" / "triton-split" / "triton-small": llama_hf's model; "triton-mla": mla_hf's;
     "triton-moe": moe_hf's. bf16, random weights, projections fused as the loader does."""
     hf = {"triton-mla": mla_hf, "triton-moe": moe_hf}.get(kind, llama_hf)()
     cfg = ModelConfig.from_hf(hf)
@@ -94,6 +94,7 @@ def runner(kind: str) -> ModelRunner:
             split_decode_rows=kind == "triton-split",
             num_sms=132,
             prefill_launch=triton_attention.DEEP_PREFILL,
+            small_m=16 if kind == "triton-small" else 0,
         )
     r = ModelRunner(
         loaded,
@@ -167,7 +168,9 @@ def experts_as_on_cuda(
     return "loop"
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split", "triton-mla", "triton-moe"])
+@pytest.mark.parametrize(
+    "kind", ["triton", "triton-split", "triton-small", "triton-mla", "triton-moe"]
+)
 def test_serving_after_the_warm_up_compiles_nothing(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
