@@ -3,7 +3,7 @@
     python3 bench/attn_kernels.py            # checks + full table (< 4 min on an H200)
     python3 bench/attn_kernels.py --quick    # fewer shapes, for a smoke run
     python3 bench/attn_kernels.py --sweep --emit   # decode launch sweep, table to paste
-    python3 bench/attn_kernels.py --case 24,3000,8,243,3143 [--split] [--reps 3]
+    python3 bench/attn_kernels.py --case 24,3000,8,243,3143 [--split | --small-m 16] [--reps 3]
                                              # one mixed step's attention, for a profiler
 
 --sweep times the decode kernel's launch candidates instead (bench/decode_sweep.py: block_n,
@@ -26,12 +26,14 @@ warps, stages, short-row pieces at batch 1-64, contexts 160-8k, graph-sized tabl
    (2 matmuls x 2 flop x pairs x H x D) and % of the matmul rate.
 5. Mixed steps of the agents workload (decoders at ~3k tokens beside prompt chunks) through
    TritonPagedAttention.forward: one prefill launch (`triton`) vs the decode rows in the
-   decode kernel (`triton-split`), with the largest difference between the two outputs.
+   decode kernel (`triton-split`) vs one launch with the decode rows on 16-row tiles
+   (PrefillLaunch.small_m), with the largest difference from the first's outputs.
 Tables print last; the exit code is 1 when a check failed. Change the variants below.
 
 --case ND,DCTX,K,C,CCTX runs only one mixed step's attention (ND decode rows at DCTX tokens,
 K prompt chunks of C tokens whose context ends at CCTX; ND may be 0), --reps times through the
-backend's forward (one launch, or --split), and prints its median time: the launches for a
+backend's forward (one launch, --split, or one launch with --small-m row tiles for the
+decode rows), and prints its median time: the launches for a
 profiler (`ncu -k regex:prefill_kernel --launch-skip 1 -c 1 python3 bench/attn_kernels.py
 --case ...`: the first rep compiles).
 """
@@ -43,6 +45,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -334,18 +337,32 @@ def _mixed_forward(backend: object, case: object, meta: object) -> torch.Tensor:
     return backend.forward(case.q, k, k, case.cache, meta, case.scale, True)  # type: ignore
 
 
+def mixed_backends(small_m: int = 16) -> tuple[object, object, object]:
+    """The device's one-launch backend, triton-split, and the one launch with the decode
+    rows on `small_m`-row tiles (PrefillLaunch.small_m)."""
+    from ds4pool.model.attention_triton import TritonPagedAttention
+
+    one = TritonPagedAttention()
+    launch = replace(one.prefill_launch, small_m=small_m)
+    return (
+        one,
+        TritonPagedAttention(split_decode_rows=True),
+        TritonPagedAttention(prefill_launch=launch),
+    )
+
+
 def mixed_table(shapes: list[tuple[int, int, int, int, int]]) -> tuple[list[str], list[str]]:
     """A mixed step's attention as the backend runs it: one prefill launch over every row
     (`triton`) against the decode rows in the decode kernel and the chunks in the prefill
-    kernel past them (`triton-split`), TritonPagedAttention.forward with the backend's own
-    launch choices. Returns the table and the shapes whose two outputs disagree."""
-    from ds4pool.model.attention_triton import TritonPagedAttention
-
-    one, split = TritonPagedAttention(), TritonPagedAttention(split_decode_rows=True)
+    kernel past them (`triton-split`) and against one launch whose decode rows run on small
+    tiles, TritonPagedAttention.forward with the backend's own launch choices. Returns the
+    table and the shapes whose outputs disagree with the one launch's."""
+    one, split, small = mixed_backends()
     rows = [
         "| decode rows x context | chunks x tokens (context after) | one launch µs | split µs "
-        "| split / one | max abs diff |",
-        "|---|---|---:|---:|---:|---:|",
+        f"| small tiles ({small.prefill_launch.small_m} rows) µs | split / one | small / one "
+        "| max abs diff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     failures = []
     for nd, dctx, k, c, cctx in shapes:
@@ -355,30 +372,32 @@ def mixed_table(shapes: list[tuple[int, int, int, int, int]]) -> tuple[list[str]
         )  # fmt: skip
         meta = case_metadata(case, index_dtype=torch.int32)
         assert meta.lead_decode_rows == nd, meta.lead_decode_rows
-        run_one, run_split = (partial(_mixed_forward, b, case, meta) for b in (one, split))
-        diff = float((run_split().float() - run_one().float()).abs().max())
+        runs = [partial(_mixed_forward, b, case, meta) for b in (one, split, small)]
+        ref = runs[0]().float()
+        diff = max(float((run().float() - ref).abs().max()) for run in runs[1:])
         if not diff < 2e-2:
-            failures.append(f"mixed {nd}x{dctx} + {k}x{c}: split differs by {diff}")
-        t_one, t_split = bench_ms(run_one), bench_ms(run_split)
+            failures.append(f"mixed {nd}x{dctx} + {k}x{c}: split or small differ by {diff}")
+        t_one, t_split, t_small = (bench_ms(run) for run in runs)
         rows.append(
             f"| {nd} x {dctx} | {k} x {c} ({cctx}) | {t_one * 1e3:.0f} | {t_split * 1e3:.0f} "
-            f"| {t_split / t_one:.2f} | {diff:.1e} |"
+            f"| {t_small * 1e3:.0f} | {t_split / t_one:.2f} | {t_small / t_one:.2f} "
+            f"| {diff:.1e} |"
         )
         print(rows[-1], flush=True)
     return rows, failures
 
 
-def one_case(spec: str, split: bool, reps: int) -> int:
+def one_case(spec: str, split: bool, reps: int, small_m: int = 0) -> int:
     """--case: one mixed step's attention, reps times, and its median µs per layer."""
-    from ds4pool.model.attention_triton import TritonPagedAttention
-
     nd, dctx, k, c, cctx = (int(x) for x in spec.split(","))
     case = make_case(
         [1] * nd + [c] * k, [dctx] * nd + [cctx] * k, heads=H, kv_heads=H_KV, head_dim=D,
         block_size=BS, dtype=DTYPE, device="cuda", seed=nd + k,
     )  # fmt: skip
     meta = case_metadata(case, index_dtype=torch.int32)
-    run = partial(_mixed_forward, TritonPagedAttention(split_decode_rows=split), case, meta)
+    one, split_backend, small = mixed_backends(small_m or 16)
+    backend = split_backend if split else small if small_m else one
+    run = partial(_mixed_forward, backend, case, meta)
     times = []
     for _ in range(max(1, reps)):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -387,8 +406,8 @@ def one_case(spec: str, split: bool, reps: int) -> int:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    backend = "triton-split" if split else "triton"
-    print(f"{backend} {nd} x {dctx} + {k} x {c} ({cctx}): {sorted(times)[len(times) // 2]:.0f} µs "
+    name = "triton-split" if split else f"triton, small_m {small_m}" if small_m else "triton"
+    print(f"{name} {nd} x {dctx} + {k} x {c} ({cctx}): {sorted(times)[len(times) // 2]:.0f} µs "
           f"(median of {len(times)}, the first compiling)")  # fmt: skip
     return 0
 
@@ -401,6 +420,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=120.0, help="--sweep: time budget")
     parser.add_argument("--case", help="ND,DCTX,K,C,CCTX: one mixed step only (see above)")
     parser.add_argument("--split", action="store_true", help="--case: as triton-split")
+    parser.add_argument("--small-m", type=int, default=0, help="--case: PrefillLaunch.small_m")
     parser.add_argument("--reps", type=int, default=3, help="--case: launches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -408,7 +428,7 @@ def main() -> int:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     if args.case:
-        return one_case(args.case, args.split, args.reps)
+        return one_case(args.case, args.split, args.reps, args.small_m)
     if args.sweep:
         from bench.decode_sweep import run
 
@@ -437,7 +457,8 @@ def main() -> int:
     print("\n".join(wide))
     print("\n### prefill (one sequence; causal pairs counted)\n")
     print("\n".join(prefill))
-    print("\n### mixed steps: one prefill launch vs decode rows in the decode kernel (per layer)\n")
+    print("\n### mixed steps: one prefill launch, decode rows in the decode kernel or on small")
+    print("tiles (per layer)\n")
     print("\n".join(mixed))
     print(f"\nchecks: {'all passed' if not failures else 'FAILED: ' + '; '.join(failures)}")
     return 1 if failures else 0

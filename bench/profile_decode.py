@@ -76,6 +76,13 @@ def main() -> None:
         "DEFAULT_PREFILL (64-key tiles, 2 stages) / DEEP_PREFILL (128-key, 3 stages) for an A/B",
     )
     ap.add_argument(
+        "--small-m",
+        type=int,
+        default=None,
+        help="PrefillLaunch.small_m for the launch above: a mixed step's decode rows on tiles "
+        "of this many rows (0: on the launch's 128)",
+    )
+    ap.add_argument(
         "--backend",
         default="triton",
         help="attention backend (triton-split: mixed steps' decode rows in the decode kernel)",
@@ -100,6 +107,11 @@ def main() -> None:
 
         launch = ta.DEEP_PREFILL if args.prefill_launch == "deep" else ta.DEFAULT_PREFILL
         runner.backend.prefill_launch = launch  # type: ignore[union-attr]
+    if args.small_m is not None:
+        from dataclasses import replace
+
+        backend = runner.backend
+        backend.prefill_launch = replace(backend.prefill_launch, small_m=args.small_m)  # type: ignore[union-attr]
     print(f"prefill launch: {getattr(runner.backend, 'prefill_launch', None)}")
     for b in args.batch:
         pool = BlockPool(runner.num_blocks)
