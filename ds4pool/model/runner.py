@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4pool.errors import ContextLengthError
+from ds4pool.errors import ContextLengthError, DeviceError
 from ds4pool.model.attention import AttentionBackend, TorchPagedAttention, build_metadata
 from ds4pool.model.attention_mla import MLABackend, TorchMLAAttention
 from ds4pool.model.attention_mla_triton import TritonMLAAttention
@@ -127,8 +127,8 @@ def select_backend(
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(BACKENDS)})")
     triton = name.startswith("triton")
-    if triton and (device.type != "cuda" or not triton_available()):
-        raise ValueError(f"the {name} attention backend needs CUDA and the triton package")
+    if triton and (device.type != "cuda" or not triton_available()):  # the CLI: one line
+        raise DeviceError(f"the {name} attention backend needs CUDA and the triton package")
     if kv_kind == "mla":
         return TritonMLAAttention() if triton else TorchMLAAttention()
     if triton:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4pool.errors import ModelLoadError
+from ds4pool.errors import DeviceError, ModelLoadError
 from ds4pool.model.config import ModelConfig
 from ds4pool.model.demo import preset_config
 from ds4pool.model.registry import family_for
@@ -59,13 +59,13 @@ def test_mla_backend_choice_follows_the_dense_one() -> None:
     # auto: the torch reference off CUDA (TritonMLAAttention on CUDA: tests/gpu)
     assert select_backend("auto", torch.device("cpu"), "mla").name == "torch-mla"
     assert select_backend("torch", torch.device("cpu"), "mla").name == "torch-mla"
-    with pytest.raises(ValueError, match="needs CUDA"):
+    with pytest.raises(DeviceError, match="needs CUDA"):
         select_backend("triton", torch.device("cpu"), "mla")
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         select_backend("flash", torch.device("cpu"), "mla")
-    with pytest.raises(ValueError, match="triton-split attention backend needs CUDA"):
+    with pytest.raises(DeviceError, match="triton-split attention backend needs CUDA"):
         select_backend("triton-split", torch.device("cpu"))
-    with pytest.raises(ValueError, match="triton-small attention backend needs CUDA"):
+    with pytest.raises(DeviceError, match="triton-small attention backend needs CUDA"):
         select_backend("triton-small", torch.device("cpu"))
 
 

@@ -120,3 +120,21 @@ def test_blas_flag_and_its_refusal_off_cuda(
     err = capsys.readouterr().err
     assert err.startswith("ds4pool: error:") and "needs a CUDA device" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(120)  # broken, the server would start and serve
+def test_a_triton_backend_off_cuda_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, demo_dir
+) -> None:
+    """`--attention-backend triton*` where there is no CUDA device: one line, exit 1."""
+    from ds4pool.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    monkeypatch.setenv("DS4POOL_CACHE", str(demo_dir.parent))
+    args = ["serve", "--model", str(demo_dir), "--kv-device-gb", "0.02", "--port", "0"]
+    for backend in ("triton", "triton-split", "triton-small"):
+        assert main([*args, "--attention-backend", backend]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ds4pool: error:") and f"the {backend} attention" in err, err
+        assert len(err.strip().splitlines()) == 1, err
