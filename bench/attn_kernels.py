@@ -3,7 +3,7 @@
     python3 bench/attn_kernels.py            # checks + full table (< 4 min on an H200)
     python3 bench/attn_kernels.py --quick    # fewer shapes, for a smoke run
     python3 bench/attn_kernels.py --sweep --emit   # decode launch sweep, table to paste
-    python3 bench/attn_kernels.py --case 24,3000,8,243,3143 [--split | --small-m 16] [--reps 3]
+    python3 bench/attn_kernels.py --case 24,3000,8,243,3143 [--split] [--small-m 16] [--reps 3]
                                              # one mixed step's attention, for a profiler
 
 --sweep times the decode kernel's launch candidates instead (bench/decode_sweep.py: block_n,
@@ -32,8 +32,8 @@ Tables print last; the exit code is 1 when a check failed. Change the variants b
 
 --case ND,DCTX,K,C,CCTX runs only one mixed step's attention (ND decode rows at DCTX tokens,
 K prompt chunks of C tokens whose context ends at CCTX; ND may be 0), --reps times through the
-backend's forward (one launch, --split, or one launch with --small-m row tiles for the
-decode rows), and prints its median time: the launches for a
+backend's forward (one launch, or --split; with --small-m, the prefill launch's decode rows
+on tiles of that many rows), and prints its median time: the launches for a
 profiler (`ncu -k regex:prefill_kernel --launch-skip 1 -c 1 python3 bench/attn_kernels.py
 --case ...`: the first rep compiles).
 """
@@ -45,7 +45,6 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -342,12 +341,10 @@ def mixed_backends(small_m: int = 16) -> tuple[object, object, object]:
     rows on `small_m`-row tiles (PrefillLaunch.small_m)."""
     from ds4pool.model.attention_triton import TritonPagedAttention
 
-    one = TritonPagedAttention()
-    launch = replace(one.prefill_launch, small_m=small_m)
     return (
-        one,
+        TritonPagedAttention(),
         TritonPagedAttention(split_decode_rows=True),
-        TritonPagedAttention(prefill_launch=launch),
+        TritonPagedAttention(small_m=small_m),
     )
 
 
@@ -394,9 +391,10 @@ def one_case(spec: str, split: bool, reps: int, small_m: int = 0) -> int:
         [1] * nd + [c] * k, [dctx] * nd + [cctx] * k, heads=H, kv_heads=H_KV, head_dim=D,
         block_size=BS, dtype=DTYPE, device="cuda", seed=nd + k,
     )  # fmt: skip
+    from ds4pool.model.attention_triton import TritonPagedAttention
+
     meta = case_metadata(case, index_dtype=torch.int32)
-    one, split_backend, small = mixed_backends(small_m or 16)
-    backend = split_backend if split else small if small_m else one
+    backend = TritonPagedAttention(split_decode_rows=split, small_m=small_m)
     run = partial(_mixed_forward, backend, case, meta)
     times = []
     for _ in range(max(1, reps)):
@@ -406,7 +404,7 @@ def one_case(spec: str, split: bool, reps: int, small_m: int = 0) -> int:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    name = "triton-split" if split else f"triton, small_m {small_m}" if small_m else "triton"
+    name = f"{'triton-split' if split else 'triton'}, {backend.prefill_launch}"
     print(f"{name} {nd} x {dctx} + {k} x {c} ({cctx}): {sorted(times)[len(times) // 2]:.0f} µs "
           f"(median of {len(times)}, the first compiling)")  # fmt: skip
     return 0

@@ -43,6 +43,7 @@ from ds4pool.kv.blocks import BlockPool, BlockTable  # noqa: E402
 from ds4pool.model.device import select_device  # noqa: E402
 from ds4pool.model.loader import load_model  # noqa: E402
 from ds4pool.model.runner import ModelRunner, SeqInput  # noqa: E402
+from ds4pool.serve import set_gil_switch  # noqa: E402
 
 
 def agent_messages(rng: random.Random, tokens: int) -> list[dict[str, str]]:
@@ -160,7 +161,7 @@ def main() -> None:
     try:
         for work in args.work:
             for us in args.intervals_us:
-                sys.setswitchinterval(us / 1e6)
+                set_gil_switch(us)  # as `ds4pool serve --gil-switch-us` sets it
                 alone = [step() for _ in range(args.steps)]
                 with PromptThreads(tok, messages, args.threads, work) as busy:
                     time.sleep(0.05)

@@ -13,7 +13,8 @@
 #    the agents at 64 then 32 agents, defaults against triton-small, two rounds, traced.
 # 2. Nsight Compute on the prefill kernel (bench/attn_kernels.py --case): why a wave step's
 #    8 chunks of 243 over ~2.9k run at ~236 TFLOP/s where a long prompt reaches 376-400.
-# 3. ds4pool and llama-server at 16 agents, in step and out of step (run S did 32 / 64).
+# 3. ds4pool and llama-server at 16 agents, in step and out of step (run S did 32 / 64):
+#    bench/h200_stagger.sh at NS=16.
 # Runs as the SEQ of bench/device_bg.sh (carry .whl .llama):
 #   bash bench/device_bg.sh bench/h200_next.sh 540 /tmp/ac /tmp/acs
 # and again at once after each call returns, until its log says "done". Under /tmp/res:
@@ -48,12 +49,4 @@ for c in "wave 24,3000,8,243,3143 --split" "wave_one 24,3000,8,243,3143" "long 0
   step "ncu: $name"
   timeout 240 "${NCU[@]}" "${CASE[@]}" $spec ${flag:-} >$R/ncu_$name.txt 2>&1
 done
-step "llama.cpp build"
-PHASE=prep SERVERS=llama-server bash bench/h200_agents.sh >$R/prep.log 2>&1
-step "agents 16, pause 0.2 s"
-SERVERS="ds4pool:lk16 llama-server" AGENTS=16 PHASE=seq LIMIT=900 \
-  VARIANTS="lk16=--trace-steps $R/lk16.jsonl" bash bench/h200_agents.sh >$R/lock16.log 2>&1
-step "agents 16, pause 0.1-2.0 s"
-THINK="0.1 2.0" AC=/tmp/acs OUT=$OUT/stag SERVERS="ds4pool:st16 llama-server" AGENTS=16 \
-  PHASE=seq LIMIT=900 VARIANTS="st16=--trace-steps $R/st16.jsonl" bash bench/h200_agents.sh \
-  >$R/stag16.log 2>&1
+NS=16 bash bench/h200_stagger.sh  # its steps in this sequence's log

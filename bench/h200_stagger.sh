@@ -2,7 +2,8 @@
 # ds4pool against llama-server (CUDA) in one lease at the current build, on the issue's
 # lockstep workload (every agent pauses exactly 0.2 s, so their resumed turns arrive as one
 # wave) and on one whose pauses are drawn from 0.1-2.0 s (agents out of step), in priority
-# order: 64 agents lockstep, 64 out of step, 32 lockstep, 32 out of step. Run K (session 38,
+# order: 64 agents lockstep, 64 out of step, 32 lockstep, 32 out of step (NS="64 32": the
+# agent counts, in that order). Run K (session 38,
 # an H200) is the last time both servers ran side by side; since then ds4pool's figures came
 # from ds4pool-only leases. Runs as the SEQ of bench/device_bg.sh (carry .whl .llama):
 #   bash bench/device_bg.sh bench/h200_stagger.sh 540 /tmp/ac /tmp/acs
@@ -11,10 +12,11 @@
 # (session 43, an H100): resumed turns 1.7x / 3.4x later than llama-server's in step, 4.0x /
 # 3.5x sooner out of step, at 32 / 64 agents.
 set -u
+NS=${NS:-"64 32"}
 . bench/device_prep.sh
 step "llama.cpp build and GGUF"
 PHASE=prep SERVERS=llama-server bash bench/h200_agents.sh >$R/prep.log 2>&1
-for n in 64 32; do
+for n in $NS; do
   step "agents $n, pause 0.2 s"
   SERVERS="ds4pool:lk$n llama-server" AGENTS=$n PHASE=seq LIMIT=900 \
     VARIANTS="lk$n=--trace-steps $R/lk$n.jsonl" bash bench/h200_agents.sh >$R/lock$n.log 2>&1

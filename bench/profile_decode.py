@@ -76,16 +76,10 @@ def main() -> None:
         "DEFAULT_PREFILL (64-key tiles, 2 stages) / DEEP_PREFILL (128-key, 3 stages) for an A/B",
     )
     ap.add_argument(
-        "--small-m",
-        type=int,
-        default=None,
-        help="PrefillLaunch.small_m for the launch above: a mixed step's decode rows on tiles "
-        "of this many rows (0: on the launch's 128)",
-    )
-    ap.add_argument(
         "--backend",
         default="triton",
-        help="attention backend (triton-split: mixed steps' decode rows in the decode kernel)",
+        help="attention backend (triton-split: mixed steps' decode rows in the decode kernel; "
+        "triton-small: on 16-row tiles of the prefill kernel)",
     )
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -103,15 +97,14 @@ def main() -> None:
         max_graph_chunks=args.graph_chunks,
     )
     if args.prefill_launch != "device":  # before any graph is captured
+        from dataclasses import replace
+
         from ds4pool.model.kernels import triton_attention as ta
 
         launch = ta.DEEP_PREFILL if args.prefill_launch == "deep" else ta.DEFAULT_PREFILL
-        runner.backend.prefill_launch = launch  # type: ignore[union-attr]
-    if args.small_m is not None:
-        from dataclasses import replace
-
-        backend = runner.backend
-        backend.prefill_launch = replace(backend.prefill_launch, small_m=args.small_m)  # type: ignore[union-attr]
+        # forced, but with triton-small's small tile kept
+        small_m = runner.backend.prefill_launch.small_m  # type: ignore[union-attr]
+        runner.backend.prefill_launch = replace(launch, small_m=small_m)  # type: ignore[union-attr]
     print(f"prefill launch: {getattr(runner.backend, 'prefill_launch', None)}")
     for b in args.batch:
         pool = BlockPool(runner.num_blocks)
